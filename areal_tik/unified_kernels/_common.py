@@ -1,0 +1,90 @@
+"""Shared plumbing for the unified kernels: input validation, interpreter detection, bit views.
+
+Every launcher validates its inputs with these helpers so that bad input raises a
+``TypeError``/``ValueError`` naming the offending value, never a wrong result.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+# Dtypes the kernels accept for activations and weights.
+FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | Iterable[int] | None = None,
+    contiguous: bool = False,
+    allow_empty: bool = False,
+) -> torch.Tensor:
+    """Validate one kernel argument; raise TypeError/ValueError naming the value."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {tuple(dtypes)}, got {t.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            raise ValueError(f"{name} must have rank in {allowed}, got shape {tuple(t.shape)}")
+    if not allow_empty and t.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    check_device(name, t)
+    return t
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """Kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and interpreting():
+        return
+    hint = "" if t.device.type != "cpu" else " (CPU tensors need TRITON_INTERPRET=1 set before import)"
+    raise ValueError(f"{name} must be on a CUDA device, got device {t.device}{hint}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {k: v.device for k, v in tensors.items() if v is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must share one device, got {devices}")
+
+
+def check_positive_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    value = float(value)
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+_INT_VIEW = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of a float tensor's bits, for bitwise comparison with ``torch.equal``."""
+    if t.dtype not in _INT_VIEW:
+        return t
+    return t.contiguous().view(_INT_VIEW[t.dtype])
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True iff ``a`` and ``b`` have the same shape, dtype and bits (NaN payloads included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))

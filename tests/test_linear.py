@@ -1,0 +1,388 @@
+"""Unified linear: accuracy, backward, bitwise row invariance, negative control, bad input.
+
+CPU runs use the Triton interpreter with tiny tiles and small bucket thresholds (4 and 32
+rows), so the bucket geometry change is crossed here too; ``-m gpu`` runs the contract
+at real sizes on CUDA, including the proof that the row-count buckets change no bits.
+"""
+import dataclasses
+import importlib
+import warnings
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+from areal_tik.unified_kernels import bits, linear  # linear: the function (package API)
+from areal_tik.unified_kernels import reference as R
+from tests._bits import assert_bitwise, rel_err
+
+L = importlib.import_module("areal_tik.unified_kernels.linear")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(*shape, dtype, device, seed, scale=1.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def _problem(m, k, n, dtype, device, seed=0, bias=True):
+    """O(1)-scale inputs: x ~ N(0, 1), weight ~ N(0, 1/K) so outputs are O(1)."""
+    x = _randn(m, k, dtype=dtype, device=device, seed=seed)
+    w = _randn(n, k, dtype=dtype, device=device, seed=seed + 1, scale=k ** -0.5)
+    b = _randn(n, dtype=dtype, device=device, seed=seed + 2) if bias else None
+    return x, w, b
+
+
+def _row_sizes(dtype, largest):
+    """Row counts that cross every bucket boundary of the active table."""
+    sizes = {1, 2, 7, largest}
+    for max_rows, _ in L.buckets(dtype):
+        if max_rows is not None and max_rows < largest:
+            sizes |= {max_rows, max_rows + 1}
+    return sorted(sizes)
+
+
+def _singles(x, w, b):
+    return torch.cat([linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+
+
+# ---------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_shape,n", [((3, 64), 48), ((5, 320), 1000), ((2, 3, 40), 24),
+                                       ((40, 70), 33), ((40,), 17)])
+def test_matches_fp64_reference(dtype, bias, x_shape, n, device):
+    k = x_shape[-1]
+    x = _randn(*x_shape, dtype=dtype, device=device, seed=1)
+    _, w, b = _problem(1, k, n, dtype, device, seed=2, bias=bias)
+    out = linear(x, w, b)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert out.shape == (*x_shape[:-1], n) and out.dtype == dtype
+    assert rel_err(out, exact) < TOL[dtype]
+    if dtype == torch.bfloat16:
+        # Rounded once: within half a bf16 ulp of the exact value (plus fp32 sum error).
+        assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
+        ref = R.linear(x, w, b)
+        assert (out.double() - ref.double()).abs().max() <= ref.double().abs().max() * 2.0 ** -7
+    else:
+        assert (out.double() - exact).abs().max() < 1e-5
+
+
+def test_bf16_rounds_once_to_nearest_even(device):
+    # Exact fp32 sums 1 + 2^-8 and 1 + 3 * 2^-8 are ties between bf16 neighbours.
+    x = torch.tensor([[1.0, 2.0 ** -8], [1.0, 3 * 2.0 ** -8], [1.0, 2.0 ** -8 + 2.0 ** -14]],
+                     dtype=torch.bfloat16, device=device)
+    w = torch.ones(1, 2, dtype=torch.bfloat16, device=device)
+    expect = torch.tensor([[1.0], [1.0 + 2.0 ** -6], [1.0 + 2.0 ** -7]], dtype=torch.bfloat16)
+    assert_bitwise(linear(x, w).cpu(), expect, "ties to even")
+    if device == "cpu":  # same BLOCK_K for both dtypes here: same fp32 sums, rounded by torch
+        xb, wb, bb = _problem(50, 64, 40, torch.bfloat16, device, seed=15)
+        assert_bitwise(linear(xb, wb, bb), linear(xb.float(), wb.float(), bb.float()).bfloat16(),
+                       "bf16 output == RTNE(fp32 output)")
+
+
+# ---------------------------------------------------------------- backward
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_backward_matches_fp64_reference(dtype, bias, device):
+    x, w, b = _problem(10, 40, 24, dtype, device, seed=3, bias=bias)
+    x = x.view(2, 5, 40)
+    dy = _randn(2, 5, 24, dtype=dtype, device=device, seed=9)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b) if t is not None]
+    linear(*leaves, *([None] if not bias else [])).backward(dy)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, b) if t is not None]
+    R.linear(*ref_leaves, *([None] if not bias else []), compute=torch.float64).backward(dy.double())
+    for got, ref, name in zip(leaves, ref_leaves, "xwb"):
+        assert got.grad.dtype == dtype, name
+        assert rel_err(got.grad, ref.grad) < TOL[dtype], name
+    # Deterministic: a second backward gives the same bits.
+    again = [t.detach().clone().requires_grad_() for t in (x, w, b) if t is not None]
+    linear(*again, *([None] if not bias else [])).backward(dy)
+    for got, second in zip(leaves, again):
+        assert_bitwise(got.grad, second.grad, "repeat backward")
+
+
+def test_backward_only_requested_grads(device):
+    x, w, b = _problem(6, 32, 16, torch.float32, device, seed=4)
+    w.requires_grad_()
+    linear(x, w, b).sum().backward()
+    assert w.grad is not None and x.grad is None and b.grad is None
+    with torch.no_grad():
+        assert linear(x, w, b).grad_fn is None
+
+
+# ---------------------------------------------------------------- bitwise row invariance
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_alone_equal_rows_in_batches(dtype, device):
+    x, w, b = _problem(70, 48, 40, dtype, device, seed=5)
+    singles = _singles(x, w, b)
+    for m in _row_sizes(dtype, 70):
+        assert_bitwise(linear(x[:m], w, b), singles[:m], f"batch of {m} rows")
+        assert_bitwise(linear(x[-m:], w, b), singles[-m:], f"last {m} rows")
+    perm = torch.randperm(70, generator=torch.Generator().manual_seed(0)).to(device)
+    assert_bitwise(linear(x[perm], w, b), singles[perm], "shuffled")
+    assert_bitwise(linear(x.view(7, 10, 48), w, b).view(70, 40), singles, "3-D input")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padding_rows_do_not_leak(dtype, device):
+    x, w, b = _problem(9, 40, 33, dtype, device, seed=6)
+    singles = _singles(x, w, b)
+    pad = torch.empty(40, 40, dtype=dtype, device=device)
+    pad[0::4], pad[1::4], pad[2::4] = float("nan"), float("inf"), -3e38
+    pad[3::4] = _randn(10, 40, dtype=dtype, device=device, seed=7) * 1e4
+    real = torch.arange(9, device=device) * 4 + 2  # real rows spread among the padding
+    batch = pad.clone()
+    batch[real] = x
+    assert_bitwise(linear(batch, w, b)[real], singles, "rows among NaN/inf/garbage rows")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_memory_layout_does_not_change_bits(dtype, device):
+    x, w, b = _problem(37, 48, 40, dtype, device, seed=8)
+    base = linear(x, w, b)
+    wide = torch.zeros(37, 96, dtype=dtype, device=device)
+    wide[:, ::2] = x  # x as a strided view, stride_xk = 2
+    assert_bitwise(linear(wide[:, ::2], w, b), base, "strided x")
+    col_major = x.t().contiguous().t()
+    assert_bitwise(linear(col_major, w, b), base, "column-major x")
+    w_t = w.t().contiguous().t()  # [N, K] view with strides (1, N)
+    assert_bitwise(linear(x, w_t, b), base, "transposed weight view")
+    x3 = x.view(37, 1, 48).expand(37, 2, 48).permute(1, 0, 2)  # not mergeable: reshape copies
+    assert_bitwise(linear(x3, w, b)[1], base, "permuted 3-D x")
+    b_strided = torch.stack([b, b], 1)[:, 0]
+    assert_bitwise(linear(x, w, b_strided), base, "strided bias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_config_and_fixed_tile_give_same_bits(dtype, device, monkeypatch):
+    """Launch geometry varies with the row count, numerics do not."""
+    x, w, b = _problem(45, 56, 40, dtype, device, seed=10)
+    base = linear(x, w, b)
+    for cfg in L.geometry_variants(dtype):
+        assert_bitwise(L.linear_forward(x, w, b, config=cfg), base, f"config {cfg}")
+    monkeypatch.setattr(L, "FIXED_TILE", True)
+    fixed = L.select_config(45, dtype)
+    assert all(L.select_config(m, dtype) == fixed for m in (1, 5, 33, 10 ** 6))
+    assert_bitwise(linear(x, w, b), base, "fixed tile")
+
+
+def test_negative_control_split_k_changes_bits(device):
+    """The bitwise check can fail: summing two K halves (split-K) regroups the fp32 sums."""
+    x, w, b = _problem(16, 128, 64, torch.float32, device, seed=11)
+    base = linear(x, w, b)
+    split = linear(x[:, :64], w[:, :64]) + linear(x[:, 64:], w[:, 64:], b)
+    assert rel_err(split, base) < 1e-6  # same maths ...
+    with pytest.raises(AssertionError, match="differ in bits"):
+        assert_bitwise(split, base, "split-K")  # ... different bits
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics; see the GPU report")
+def test_negative_control_block_k_changes_bits_in_interpreter():
+    """Under the interpreter each BLOCK_K block is summed, then added: BLOCK_K sets the bits."""
+    x, w, b = _problem(16, 128, 64, torch.float32, "cpu", seed=11)
+    cfg = L.select_config(16, torch.float32)
+    base = L.linear_forward(x, w, b, config=cfg)
+    other = L.linear_forward(x, w, b, config=dataclasses.replace(cfg, block_k=2 * cfg.block_k))
+    assert rel_err(other, base) < 1e-6
+    with pytest.raises(AssertionError, match="differ in bits"):
+        assert_bitwise(other, base, "BLOCK_K doubled")
+
+
+# ---------------------------------------------------------------- configuration table
+def test_config_tables_fix_block_k_and_use_wgmma_shapes():
+    tables = [L._GPU_BUCKETS, L._CPU_BUCKETS]
+    for table, fixed in zip(tables, [L._GPU_FIXED, L._CPU_FIXED]):
+        for dtype, buckets in table.items():
+            limits = [m for m, _ in buckets]
+            assert limits[-1] is None and limits[:-1] == sorted(limits[:-1])
+            assert {cfg.block_k for _, cfg in buckets} == {fixed[dtype].block_k}, dtype
+    for cfg in [c for _, c in L._GPU_BUCKETS[torch.bfloat16]] + [L._GPU_FIXED[torch.bfloat16]]:
+        # wgmma on Hopper: 64-row warpgroup tiles and whole warpgroups.
+        assert cfg.block_m % 64 == 0 and cfg.num_warps % 4 == 0 and cfg.block_n % 16 == 0, cfg
+
+
+def test_launch_metadata_names_the_launch():
+    x = torch.empty(3, 8, dtype=torch.bfloat16)
+    meta = L._launch_metadata((1,), None, {"M": 3, "N": 4, "K": 8, "x_ptr": x})
+    assert meta["flops"] == 2 * 3 * 4 * 8 and meta["bytes"] == 2 * (24 + 32 + 12)
+    assert "M=3" in meta["name"]
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_inputs(device):
+    x, w, b = _problem(4, 32, 16, torch.float32, device, seed=12)
+    cases = [
+        (TypeError, "weight dtype", lambda: linear(x, w.bfloat16())),
+        (TypeError, "bias dtype", lambda: linear(x, w, b.bfloat16())),
+        (TypeError, "dtype in", lambda: linear(x.half(), w.half())),
+        (TypeError, "dtype in", lambda: linear(x.int(), w)),
+        (TypeError, "torch.Tensor", lambda: linear(x.tolist(), w)),
+        (ValueError, "rank", lambda: linear(x, w[0])),
+        (ValueError, "rank", lambda: linear(x, w.view(2, 8, 32))),
+        (ValueError, "rank", lambda: linear(x[0, 0], w)),
+        (ValueError, "rank", lambda: linear(x, w, b.view(2, 8))),
+        (ValueError, "K = x.shape", lambda: linear(x[:, :31], w)),
+        (ValueError, "empty", lambda: linear(x[:0], w)),
+        (ValueError, "empty", lambda: linear(x, w[:0])),
+        (ValueError, r"bias must have shape \(16,\)", lambda: linear(x, w, b[:15])),
+    ]
+    for exc, msg, call in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+
+
+def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
+    x, w, _ = _problem(2, 16, 16, torch.float32, "cpu", seed=13)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        linear(x, w)
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_devices_rejected():
+    x, w, _ = _problem(2, 16, 16, torch.float32, "cuda", seed=14)
+    with pytest.raises(ValueError):
+        linear(x, w, torch.zeros(16))
+
+
+# ---------------------------------------------------------------- GPU contract at real sizes
+GPU = "cuda"
+GPU_MAX_ROWS = 16384
+GPU_ROWS = (1, 7, 64, 65, 256, 257, 300, 1024, 1025, 5000, GPU_MAX_ROWS)
+LAYOUT_SHAPE = (1000, 2048, 3072)  # (M, K, N)
+BACKWARD_SHAPE = (4, 128, 1024, 2048)  # (batch, T, K, N)
+GPU_SHAPES = [  # (dtype, K, N, bias)
+    (torch.bfloat16, 2048, 6144, True),  # Qwen3-1.7B MLP-sized
+    (torch.bfloat16, 1024, 151936, False),  # Qwen3 LM head: M*N > 2^31 at 16384 rows
+    (torch.bfloat16, 1000, 1000, True),  # K, N not multiples of any block: masked K loop
+    (torch.bfloat16, 4096, 3072, True),
+    (torch.float32, 2048, 1024, True),
+]
+
+
+def _gpu_problem(m, k, n, dtype, seed, bias):
+    g = torch.Generator(device=GPU).manual_seed(seed)
+    x = torch.randn(m, k, device=GPU, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=GPU, generator=g) * k ** -0.5).to(dtype)
+    b = torch.randn(n, device=GPU, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,k,n,bias", GPU_SHAPES)
+def test_gpu_rows_bitwise_equal_across_buckets(dtype, k, n, bias):
+    """Proof of the bucket hypothesis: a row computed alone (M=1) has the same bits in
+    batches of every bucket, at the first, middle and last positions (last rows of the
+    LM head at 16384 rows need int64 offsets)."""
+    probes, w, b = _gpu_problem(8, k, n, dtype, seed=20, bias=bias)
+    alone = _singles(probes, w, b)
+    for m in sorted(set(GPU_ROWS) | set(_row_sizes(dtype, GPU_MAX_ROWS))):
+        batch, _, _ = _gpu_problem(m, k, 1, dtype, seed=21 + m, bias=False)
+        pos = torch.linspace(0, m - 1, min(m, 8), device=GPU).round().long().unique()
+        batch[pos] = probes[: len(pos)]
+        out = linear(batch, w, b)
+        assert_bitwise(out[pos], alone[: len(pos)], f"{m} rows, K={k}, N={n}")
+        del out, batch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,m,candidates", [
+    (GPU_SHAPES[0], 1027, True),  # every tuning candidate (each one is a compile)
+    (GPU_SHAPES[0], 7, False),  # decode path: rows masked
+    (GPU_SHAPES[2], 300, False),  # K not a multiple of BLOCK_K: masked K loop
+    (GPU_SHAPES[4], 1027, True),  # fp32 FMA path
+])
+def test_gpu_every_geometry_gives_same_bits(shape, m, candidates):
+    """Every bucket, the fixed tile and the tuning candidates: launch geometry only."""
+    dtype, k, n, bias = shape
+    x, w, b = _gpu_problem(m, k, n, dtype, seed=22, bias=bias)
+    table = {cfg for _, cfg in L.buckets(dtype)}
+    configs = L.geometry_variants(dtype, candidates=candidates)
+    base = L.linear_forward(x, w, b, config=configs[0])
+    for cfg in configs[1:]:
+        try:
+            out = L.linear_forward(x, w, b, config=cfg)
+        except OutOfResources:  # a tuning candidate too large for this GPU: not a contract issue
+            if cfg in table:
+                raise
+            warnings.warn(f"candidate {cfg} does not fit this GPU")
+            continue
+        assert_bitwise(out, base, f"{cfg} vs {configs[0]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,k,n,bias", [GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[2], GPU_SHAPES[4]])
+@pytest.mark.parametrize("m", [1, 300, 4096])
+def test_gpu_matches_fp64_reference(dtype, k, n, bias, m):
+    x, w, b = _gpu_problem(m, k, n, dtype, seed=23, bias=bias)
+    out = linear(x, w, b)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert rel_err(out, exact) < TOL[dtype]
+    slack = 2e-5 * (k / 64) ** 0.5  # fp32 accumulation error over K, O(1) outputs
+    if dtype == torch.bfloat16:
+        assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + slack).all()
+    else:
+        assert (out.double() - exact).abs().max().item() < slack
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_layout_and_repeat_give_same_bits(dtype):
+    m, k, n = LAYOUT_SHAPE
+    x, w, b = _gpu_problem(m, k, n, dtype, seed=24, bias=True)
+    base = linear(x, w, b)
+    assert_bitwise(linear(x, w, b), base, "repeat")
+    wide = torch.zeros(m, 2 * k, dtype=dtype, device=GPU)
+    wide[:, k // 2: k // 2 + k] = x
+    assert_bitwise(linear(wide[:, k // 2: k // 2 + k], w, b), base, "x as a column slice")
+    assert_bitwise(linear(x.view(8, m // 8, k), w, b).view(m, n), base, "3-D x")
+    assert_bitwise(linear(x, w.t().contiguous().t(), b), base, "transposed weight view")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_backward_matches_fp64_reference(dtype):
+    batch, t, k, n = BACKWARD_SHAPE
+    x, w, b = _gpu_problem(batch * t, k, n, dtype, seed=25, bias=True)
+    dy = torch.randn(batch, t, n, device=GPU).to(dtype)
+    leaves = [v.detach().clone().requires_grad_() for v in (x.view(batch, t, k), w, b)]
+    linear(*leaves).backward(dy)
+    refs = [v.detach().double().requires_grad_() for v in (x.view(batch, t, k), w, b)]
+    R.linear(*refs, compute=torch.float64).backward(dy.double())
+    for got, ref, name in zip(leaves, refs, "xwb"):
+        assert rel_err(got.grad, ref.grad) < TOL[dtype], name
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_row_invariance_report():
+    """Context, never a failure: cuBLAS F.linear changes row 0's bits with the row count."""
+    x, w, _ = _gpu_problem(4096, 2048, 6144, torch.bfloat16, seed=26, bias=False)
+    cublas0 = torch.nn.functional.linear(x[:1], w)
+    ours0 = linear(x[:1], w)
+    report = {}
+    for m in (2, 16, 128, 1024, 4096):
+        cub = torch.nn.functional.linear(x[:m], w)[:1]
+        report[m] = int((bits(cub) != bits(cublas0)).sum())
+        assert_bitwise(linear(x[:m], w)[:1], ours0, f"unified row 0 at {m} rows")
+    verdict = "NOT row-invariant" if any(report.values()) else "row-invariant here (by luck)"
+    # A warning, so the report shows in pytest's summary without -s.
+    warnings.warn(f"cuBLAS F.linear is {verdict}: row 0 elements (of {w.shape[0]}) that differ "
+                  f"from M=1, by row count: {report}; unified linear: 0 for every row count")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_block_k_report(dtype):
+    """Context, never a failure: does BLOCK_K change bits on this GPU? The MMA chain over
+    K (k16 wgmma steps for bf16, one FMA per k for fp32) may make BLOCK_K a free choice."""
+    x, w, b = _gpu_problem(300, 2048, 3072, dtype, seed=27, bias=True)
+    cfg = L.select_config(300, dtype)
+    base = L.linear_forward(x, w, b, config=cfg)
+    report = {}
+    for block_k in (cfg.block_k // 2, 2 * cfg.block_k):
+        other = L.linear_forward(x, w, b, config=dataclasses.replace(cfg, block_k=block_k, num_stages=2))
+        report[block_k] = int((bits(other) != bits(base)).sum())
+    warnings.warn(f"{dtype} BLOCK_K {cfg.block_k} vs others, differing elements of {base.numel()}: {report}")
