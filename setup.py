@@ -11,6 +11,9 @@ setup(
         "torch>=2.11",
         "triton>=3.6,<3.7",
         "numpy<2.4",
+        "transformers>=5.0",
+        "safetensors",
+        "gguf",
     ],
     extras_require={
         "test": ["pytest>=8"],

@@ -1,15 +1,27 @@
 """Benchmark: unified linear vs torch F.linear (cuBLAS), side by side in one process.
 
 Usage (GPU, repo root):
-    python3 eval/bench_linear.py [--quick] [--sweep] [--out DIR_OR_CSV]
+    python3 eval/bench_linear.py [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
 
-Times both implementations with ``triton.testing.do_bench`` (median; the L2 cache is
-cleared before every call, so small-M runs really stream the weight) on the linear
-shapes of Qwen3-0.6B, Qwen3-1.7B and Llama-3.2-1B at 1..16384 tokens, prints the speed
-ratio (cuBLAS time / ours: >1 means ours is faster) and hardware terms (TFLOP/s, TB/s,
-fraction of the H200 ceilings), and writes a long-format CSV. ``--sweep`` also times
-every invariance-proven tile geometry (``linear.geometry_variants``) per token count,
-to re-tune the row-count bucket table.
+Times both implementations on the linear shapes of Qwen3-0.6B, Qwen3-1.7B and
+Llama-3.2-1B at 1..16384 tokens, prints the speed ratio (cuBLAS time / ours: >1 means
+ours is faster) and hardware terms (TFLOP/s, TB/s, fraction of the H200 ceilings), and
+writes a long-format CSV.
+
+Timer (``--timer graph``, the default): calls shorter than ~200 us are replayed from a
+CUDA graph (as the rollout engine runs decode), cycling through enough copies of x and
+the weight to exceed the L2 cache, so every call streams its weight from HBM and no
+host launch overhead enters the time. Eager timing with CUDA events let the host's
+Python/launch cost leak into small-M numbers (the first run saw our M=1 time jump from
+16 us to 46 us mid-run, for the same kernel and shape, while cuBLAS stayed at 10 us).
+Longer calls use ``triton.testing.do_bench`` (L2 cleared before every call), as does
+``--timer events`` for everything.
+
+``--sweep`` also times every invariance-proven tile geometry (``linear.geometry_variants``,
+both kernels) per token count on a few shapes, skipping geometries that cannot be
+competitive there (BLOCK_M > 64 below 512 rows, decode tiles above 1024, persistent below
+512), prints the best next to the table's choice and a summary of the table's losses,
+to re-tune ``linear._GPU_BUCKETS``.
 """
 from __future__ import annotations
 
@@ -17,7 +29,9 @@ import argparse
 import csv
 import datetime
 import importlib
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +53,8 @@ L = importlib.import_module("areal_tik.unified_kernels.linear")
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul on the H200
 PEAK_TBPS = 4.26  # measured device copy (read + write)
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+GRAPH_MAX_US = 200.0  # calls up to this long are timed from a CUDA graph
+ROTATE_BYTES = 2 * 60 * 2 ** 20  # > 2x the H200's 50 MiB L2: every call reads from HBM
 
 # (model, layer, K, N): q/k/v and gate/up are packed into one matmul each.
 SHAPES = (
@@ -59,8 +75,14 @@ SHAPES = (
 )
 QUICK_SHAPES = (("qwen3-1.7b", "up", 2048, 6144), ("llama-3.2-1b", "down", 8192, 2048))
 QUICK_TOKENS = (1, 64, 1024, 8192)
-SWEEP_SHAPES = (("qwen3-1.7b", "up", 2048, 6144), ("qwen3-0.6b", "o", 2048, 1024))
 SWEEP_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 16384)  # to place bucket limits
+SWEEP_SHAPES = (  # (model, layer, K, N, tokens)
+    ("qwen3-1.7b", "up", 2048, 6144, SWEEP_TOKENS),
+    ("qwen3-0.6b", "o", 2048, 1024, SWEEP_TOKENS),
+    ("llama-3.2-1b", "down", 8192, 2048, SWEEP_TOKENS),
+    ("qwen3-0.6b", "qkv", 1024, 4096, (1, 64, 256, 1024, 4096)),
+    ("qwen3-0.6b", "lm_head", 1024, 151936, (1, 64, 1024)),
+)
 
 
 def run_info() -> dict:
@@ -80,15 +102,62 @@ def run_info() -> dict:
     }
 
 
-def measure(fn, m, k, n, rep_ms) -> dict:
-    med, p20, p80 = (t * 1e3 for t in do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms,
-                                               quantiles=[0.5, 0.2, 0.8]))
-    us = med
+def _event_us(fn, calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def _graph_times(fns, est_us: float, rep_ms: int, out_bytes: int) -> list[float]:
+    """Per-call us of ``fns`` (cycled) replayed from one CUDA graph, 5 replays of ~rep_ms/5."""
+    # Bound the calls per graph by time and by output memory (each call allocates its output).
+    calls = min(rep_ms * 1e3 / 5 / est_us, 2000, 2 ** 32 / out_bytes)
+    calls = len(fns) * max(1, math.ceil(calls / len(fns)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on the capture stream (library workspaces)
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = [_event_us(graph.replay, 1) / calls for _ in range(5)]
+    del graph
+    return times
+
+
+def time_us(make_fn, m, k, n, rep_ms, timer) -> tuple[float, float, float, str]:
+    """(median, p20, p80) us per call and the timer used; ``make_fn(x, w)`` -> callable."""
+    x, w = inputs(m, k, n)
+    fn = make_fn(x, w)
+    fn()
+    torch.cuda.synchronize()
+    est = _event_us(fn, 3)
+    if timer == "graph" and est < GRAPH_MAX_US:
+        copies = max(1, min(32, math.ceil(ROTATE_BYTES / (2 * (m * k + n * k)))))
+        fns = [fn] + [make_fn(*inputs(m, k, n, seed=i)) for i in range(1, copies)]
+        times = sorted(_graph_times(fns, est, rep_ms, 2 * m * n))
+        del fns
+        return statistics.median(times), times[1], times[-2], "graph"
+    med, p20, p80 = do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return med * 1e3, p20 * 1e3, p80 * 1e3, "events"
+
+
+def measure(make_fn, m, k, n, rep_ms, timer) -> dict:
+    us, p20, p80, used = time_us(make_fn, m, k, n, rep_ms, timer)
     flops = 2.0 * m * n * k
     nbytes = 2.0 * (m * k + n * k + m * n)  # bf16 x, weight and output, each once
     tflops, tbps = flops / us * 1e-6, nbytes / us * 1e-6
     return {"us": us, "us_p20": p20, "us_p80": p80, "tflops": tflops, "tbps": tbps,
-            "frac_peak_flops": tflops / PEAK_TFLOPS, "frac_peak_bw": tbps / PEAK_TBPS}
+            "frac_peak_flops": tflops / PEAK_TFLOPS, "frac_peak_bw": tbps / PEAK_TBPS, "timer": used}
 
 
 def inputs(m, k, n, seed=0):
@@ -98,57 +167,70 @@ def inputs(m, k, n, seed=0):
     return x, w
 
 
-def bench_shape(model, layer, k, n, tokens, rep_ms, info) -> list[dict]:
+def bench_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> list[dict]:
     rows = []
     for m in tokens:
         x, w = inputs(m, k, n)
         ours, ref = linear(x[:256], w).float(), torch.nn.functional.linear(x[:256], w).float()
         err = ((ours - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"{model}/{layer} M={m}: unified vs cuBLAS rel err {err:.3g}"
-        cfg = L.select_config(m, torch.bfloat16)
-        timed = {"unified": measure(lambda: linear(x, w), m, k, n, rep_ms),
-                 "cublas": measure(lambda: torch.nn.functional.linear(x, w), m, k, n, rep_ms)}
+        del x, w, ours, ref
+        cfg = L.select_config(m, n, k, torch.bfloat16)
+        timed = {"unified": measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer),
+                 "cublas": measure(lambda x, w: lambda: torch.nn.functional.linear(x, w), m, k, n, rep_ms, timer)}
         ratio = timed["cublas"]["us"] / timed["unified"]["us"]
         u = timed["unified"]
         print(f"{model:>13} {layer:>8} K={k:<5} N={n:<6} M={m:<6} unified {u['us']:9.1f} us "
               f"cuBLAS {timed['cublas']['us']:9.1f} us  ratio {ratio:5.2f}  "
               f"{u['tflops']:6.1f} TFLOP/s ({u['frac_peak_flops']:4.0%})  "
-              f"{u['tbps']:5.2f} TB/s ({u['frac_peak_bw']:4.0%})  {_cfg_name(cfg)}", flush=True)
+              f"{u['tbps']:5.2f} TB/s ({u['frac_peak_bw']:4.0%})  {cfg_name(cfg)} [{u['timer']}]", flush=True)
         for impl, res in timed.items():
             rows.append(_row(model, layer, k, n, m, impl, res, info,
-                             _cfg_name(cfg) if impl == "unified" else "", ratio))
-        del x, w, ours, ref
+                             cfg_name(cfg) if impl == "unified" else "", ratio))
     return rows
 
 
-def sweep_shape(model, layer, k, n, tokens, rep_ms, info) -> list[dict]:
-    rows = []
+def sweep_worthy(cfg, m) -> bool:
+    """Skip geometries that measured >= 1.5x the best in this row range (first sweep)."""
+    if m <= 256 and cfg.block_m > 64:
+        return False
+    if m >= 1024 and (cfg.block_n <= 32 or cfg.num_stages >= 8):
+        return False
+    return m >= 512 or not cfg.persistent
+
+
+def sweep_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> tuple[list[dict], list[float]]:
+    rows, losses = [], []
     for m in tokens:
-        x, w = inputs(m, k, n)
         results = {}
-        for cfg in L.geometry_variants(torch.bfloat16):
+        chosen = L.select_config(m, n, k, torch.bfloat16)
+        for cfg in (c for c in L.geometry_variants(torch.bfloat16) if c == chosen or sweep_worthy(c, m)):
             try:
-                results[cfg] = measure(lambda: L.linear_forward(x, w, None, config=cfg), m, k, n, rep_ms)
+                results[cfg] = measure(lambda x, w, cfg=cfg: lambda: L.linear_forward(x, w, None, config=cfg),
+                                       m, k, n, rep_ms, timer)
             except OutOfResources as err:  # a candidate too large for this GPU: skip it
-                print(f"sweep {_cfg_name(cfg)}: {err}", flush=True)
+                print(f"sweep {cfg_name(cfg)}: {err}", flush=True)
                 continue
-            rows.append(_row(model, layer, k, n, m, "unified_sweep", results[cfg], info, _cfg_name(cfg)))
+            rows.append(_row(model, layer, k, n, m, "unified_sweep", results[cfg], info, cfg_name(cfg)))
         best = min(results, key=lambda c: results[c]["us"])
-        chosen = L.select_config(m, torch.bfloat16)
         table_us = results[chosen]["us"] if chosen in results else float("nan")
-        print(f"sweep {model}/{layer} M={m:<6} best {_cfg_name(best)} {results[best]['us']:8.1f} us; "
-              f"table {_cfg_name(chosen)} {table_us:8.1f} us", flush=True)
-    return rows
+        losses.append(table_us / results[best]["us"])
+        top = sorted(results, key=lambda c: results[c]["us"])[:3]
+        print(f"sweep {model}/{layer} M={m:<6} table {cfg_name(chosen)} {table_us:8.1f} us "
+              f"({losses[-1]:4.2f}x best); top: " +
+              ", ".join(f"{cfg_name(c)} {results[c]['us']:.1f}" for c in top), flush=True)
+    return rows, losses
 
 
-def _cfg_name(cfg) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}"
+def cfg_name(cfg) -> str:
+    kind = ("/P" + ("S" if cfg.split_epilogue else "")) if cfg.persistent else ""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}{kind}"
 
 
 def _row(model, layer, k, n, m, impl, res, info, config, ratio=None) -> dict:
     return {"op": "linear", "shape": f"{model}/{layer} K={k} N={n}", "model": model, "layer": layer,
             "K": k, "N": n, "tokens": m, "impl": impl, "config": config,
-            **{key: round(val, 4) for key, val in res.items()},
+            **{key: (round(val, 4) if isinstance(val, float) else val) for key, val in res.items()},
             "speed_vs_cublas": "" if ratio is None else round(ratio, 4), **info}
 
 
@@ -181,22 +263,28 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(REPO / "eval" / "results"), help="CSV file or folder")
     parser.add_argument("--quick", action="store_true", help="small subset, < 60 s")
     parser.add_argument("--sweep", action="store_true", help="also time every tile geometry")
-    parser.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per case")
+    parser.add_argument("--timer", choices=("graph", "events"), default="graph",
+                        help="graph: CUDA-graph replay for calls < 200 us (default); events: do_bench")
+    parser.add_argument("--rep-ms", type=int, default=40, help="timing budget per case")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear needs a CUDA GPU")
     info, start = run_info(), time.time()
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}  "
-          f"fixed tile: {L.FIXED_TILE}")
+          f"fixed tile: {L.FIXED_TILE}  timer: {args.timer}")
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if args.quick else (SHAPES, TOKENS)
     rows = []
     for model, layer, k, n in shapes:
-        rows += bench_shape(model, layer, k, n, tokens, args.rep_ms, info)
+        rows += bench_shape(model, layer, k, n, tokens, args.rep_ms, args.timer, info)
     summarize(rows)
     if args.sweep:
-        for model, layer, k, n in SWEEP_SHAPES[:1] if args.quick else SWEEP_SHAPES:
-            rows += sweep_shape(model, layer, k, n, tokens if args.quick else SWEEP_TOKENS,
-                                max(10, args.rep_ms // 2), info)
+        losses = []
+        for model, layer, k, n, sweep_tokens in SWEEP_SHAPES[:1] if args.quick else SWEEP_SHAPES:
+            new_rows, new_losses = sweep_shape(model, layer, k, n, tokens if args.quick else sweep_tokens,
+                                               max(10, args.rep_ms // 4), args.timer, info)
+            rows, losses = rows + new_rows, losses + new_losses
+        print(f"sweep: table within 5% of the best in {sum(x <= 1.05 for x in losses)}/{len(losses)} "
+              f"cases; worst {max(losses):.2f}x")
     print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 

@@ -158,15 +158,58 @@ def test_memory_layout_does_not_change_bits(dtype, device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_config_and_fixed_tile_give_same_bits(dtype, device, monkeypatch):
-    """Launch geometry varies with the row count, numerics do not."""
+    """Launch geometry varies with the row count and N, numerics do not: every table,
+    fixed and candidate config, the persistent TMA kernel included, gives the same bits."""
     x, w, b = _problem(45, 56, 40, dtype, device, seed=10)
     base = linear(x, w, b)
-    for cfg in L.geometry_variants(dtype):
+    persistent = _count_persistent_launches(monkeypatch)
+    configs = L.geometry_variants(dtype)
+    for cfg in configs:
         assert_bitwise(L.linear_forward(x, w, b, config=cfg), base, f"config {cfg}")
+    assert persistent["calls"] == sum(cfg.persistent for cfg in configs)
+    assert persistent["calls"] > 0 or dtype == torch.float32 and device == "cuda"  # GPU fp32: tiled only
     monkeypatch.setattr(L, "FIXED_TILE", True)
-    fixed = L.select_config(45, dtype)
-    assert all(L.select_config(m, dtype) == fixed for m in (1, 5, 33, 10 ** 6))
+    fixed = L.select_config(45, 40, 56, dtype)
+    assert all(L.select_config(m, n, 56, dtype) == fixed for m in (1, 5, 33, 10 ** 6) for n in (16, 10 ** 5))
     assert_bitwise(linear(x, w, b), base, "fixed tile")
+
+
+def _count_persistent_launches(monkeypatch) -> dict:
+    """Count launches of the persistent TMA kernel (so a proof cannot pass vacuously)."""
+    seen = {"calls": 0}
+    launch = L._launch_persistent
+
+    def counting(*args, **kwargs):
+        seen["calls"] += 1
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(L, "_launch_persistent", counting)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_persistent_kernel_falls_back_when_tma_cannot_read(dtype, device, monkeypatch):
+    """TMA needs unit inner strides and 16-byte aligned bases and row strides; otherwise
+    a persistent config runs the tiled kernel, with the same bits."""
+    x, w, b = _problem(37, 48, 40, dtype, device, seed=16)
+    cfg = next((c for c in L.geometry_variants(dtype) if c.persistent), None)
+    if cfg is None:
+        pytest.skip(f"no persistent config for {dtype} here")
+    persistent = _count_persistent_launches(monkeypatch)
+    base = L.linear_forward(x, w, b, config=cfg)
+    assert persistent["calls"] == 1 and L.tma_compatible(x, w)
+    buf = torch.zeros(37, 49, dtype=dtype, device=device)
+    buf[:, 1:] = x  # base pointer one element past a 16-byte boundary
+    k_odd = torch.zeros(37, 53, dtype=dtype, device=device)
+    k_odd[:, :48] = x  # row stride of 53 elements: not a multiple of 16 bytes
+    views = {"unaligned base": (buf[:, 1:], w), "odd row stride": (k_odd[:, :48], w),
+             "transposed weight view": (x, w.t().contiguous().t()), "column-major x": (x.t().contiguous().t(), w)}
+    for what, (xv, wv) in views.items():
+        assert not L.tma_compatible(xv, wv), what
+        assert_bitwise(L.linear_forward(xv, wv, b, config=cfg), base, what)
+    assert persistent["calls"] == 1
+    n_odd = _problem(1, 48, 41, dtype, device, seed=17)[1]  # output row of 41 elements
+    assert not L.tma_compatible(x, n_odd)
 
 
 def test_negative_control_split_k_changes_bits(device):
@@ -183,7 +226,7 @@ def test_negative_control_split_k_changes_bits(device):
 def test_negative_control_block_k_changes_bits_in_interpreter():
     """Under the interpreter each BLOCK_K block is summed, then added: BLOCK_K sets the bits."""
     x, w, b = _problem(16, 128, 64, torch.float32, "cpu", seed=11)
-    cfg = L.select_config(16, torch.float32)
+    cfg = L.select_config(16, 64, 128, torch.float32)
     base = L.linear_forward(x, w, b, config=cfg)
     other = L.linear_forward(x, w, b, config=dataclasses.replace(cfg, block_k=2 * cfg.block_k))
     assert rel_err(other, base) < 1e-6
@@ -193,15 +236,46 @@ def test_negative_control_block_k_changes_bits_in_interpreter():
 
 # ---------------------------------------------------------------- configuration table
 def test_config_tables_fix_block_k_and_use_wgmma_shapes():
-    tables = [L._GPU_BUCKETS, L._CPU_BUCKETS]
-    for table, fixed in zip(tables, [L._GPU_FIXED, L._CPU_FIXED]):
+    tables = [(L._GPU_BUCKETS, L._GPU_FIXED, L._GPU_CANDIDATES),
+              (L._CPU_BUCKETS, L._CPU_FIXED, {dt: L._CPU_CANDIDATES for dt in DTYPES})]
+    for table, fixed, candidates in tables:
         for dtype, buckets in table.items():
             limits = [m for m, _ in buckets]
             assert limits[-1] is None and limits[:-1] == sorted(limits[:-1])
-            assert {cfg.block_k for _, cfg in buckets} == {fixed[dtype].block_k}, dtype
-    for cfg in [c for _, c in L._GPU_BUCKETS[torch.bfloat16]] + [L._GPU_FIXED[torch.bfloat16]]:
+            configs = [cfg for _, ladder in buckets for cfg, _, _ in ladder] + list(candidates[dtype])
+            assert {cfg.block_k for cfg in configs} == {fixed[dtype].block_k}, dtype
+            # A ladder ends with an unbounded tiled rung: the choice when nothing else fits.
+            assert all(not ladder[-1][0].persistent and ladder[-1][2] == 0 for _, ladder in buckets)
+            assert not any(cfg.split_epilogue and not cfg.persistent for cfg in configs)
+        assert not any(rung[0].persistent for _, ladder in table.get(torch.float32, ()) for rung in ladder)
+    bf16 = torch.bfloat16
+    gpu_bf16 = [cfg for _, ladder in L._GPU_BUCKETS[bf16] for cfg, _, _ in ladder] + list(L._GPU_CANDIDATES[bf16])
+    for cfg in gpu_bf16 + [L._GPU_FIXED[bf16]]:
         # wgmma on Hopper: 64-row warpgroup tiles and whole warpgroups.
         assert cfg.block_m % 64 == 0 and cfg.num_warps % 4 == 0 and cfg.block_n % 16 == 0, cfg
+
+
+def test_gpu_table_selection(monkeypatch):
+    """The bf16 GPU ladders (checked on any machine), for an H200 (132 SMs): while the
+    weight streams, one wave of deep-pipelined programs; persistent TMA tiles for large M
+    where TMA can run and every SM gets >= 2 tiles."""
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+
+    def pick(m, n, k=2048, **kw):
+        cfg = L.select_config(m, n, k, torch.bfloat16, sms=132, **kw)
+        return cfg.block_m, cfg.block_n, cfg.num_stages, "P" if cfg.persistent else "T"
+
+    assert pick(1, 1024) == pick(64, 2048) == pick(128, 1024) == (64, 16, 20, "T")
+    assert pick(1, 3072) == pick(64, 4096) == pick(256, 1024) == (64, 32, 16, "T")
+    assert pick(1, 6144) == (64, 64, 12, "T") and pick(8, 12288) == pick(128, 6144) == (64, 128, 8, "T")
+    assert pick(1, 17920) == pick(256, 6144) == pick(64, 151936) == (64, 128, 4, "T")
+    assert pick(512, 1024) == (64, 64, 6, "T") and pick(512, 6144) == (64, 128, 3, "T")
+    assert pick(1024, 1024) == (64, 128, 4, "T") and pick(1024, 6144) == (128, 128, 4, "T")
+    assert pick(2048, 1024) == (128, 128, 4, "T") and pick(4096, 1024) == (256, 128, 3, "T")
+    assert pick(2048, 6144) == pick(16384, 1024) == (256, 128, 3, "P")
+    assert pick(16384, 6144, tma=False) == pick(16384, 6144, k=1004) == (256, 128, 3, "T")
+    monkeypatch.setattr(L, "FIXED_TILE", True)
+    assert pick(16384, 6144) == (64, 128, 4, "T")
 
 
 def test_launch_metadata_names_the_launch():
@@ -209,6 +283,9 @@ def test_launch_metadata_names_the_launch():
     meta = L._launch_metadata((1,), None, {"M": 3, "N": 4, "K": 8, "x_ptr": x})
     assert meta["flops"] == 2 * 3 * 4 * 8 and meta["bytes"] == 2 * (24 + 32 + 12)
     assert "M=3" in meta["name"]
+    desc = L.TensorDescriptor(x, [3, 8], [8, 1], [16, 16]) if L.TensorDescriptor else None
+    if desc is not None:  # the persistent kernel's arguments are TMA descriptors
+        assert L._launch_metadata((1,), None, {"M": 3, "N": 4, "K": 8, "x_desc": desc}) == meta
 
 
 # ---------------------------------------------------------------- bad input
@@ -261,6 +338,7 @@ GPU_SHAPES = [  # (dtype, K, N, bias)
     (torch.bfloat16, 4096, 3072, True),
     (torch.float32, 2048, 1024, True),
 ]
+TMA_ODD_SHAPE = (torch.bfloat16, 1004, 2048, True)  # K rows of 2008 bytes: TMA cannot read x
 
 
 def _gpu_problem(m, k, n, dtype, seed, bias):
@@ -272,13 +350,15 @@ def _gpu_problem(m, k, n, dtype, seed, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,k,n,bias", GPU_SHAPES)
-def test_gpu_rows_bitwise_equal_across_buckets(dtype, k, n, bias):
+@pytest.mark.parametrize("dtype,k,n,bias", GPU_SHAPES + [TMA_ODD_SHAPE])
+def test_gpu_rows_bitwise_equal_across_buckets(dtype, k, n, bias, monkeypatch):
     """Proof of the bucket hypothesis: a row computed alone (M=1) has the same bits in
     batches of every bucket, at the first, middle and last positions (last rows of the
-    LM head at 16384 rows need int64 offsets)."""
+    LM head at 16384 rows need int64 offsets). Large bf16 batches run the persistent TMA
+    kernel where TMA can read the operands (K=1004: it cannot; the tiled kernel runs)."""
     probes, w, b = _gpu_problem(8, k, n, dtype, seed=20, bias=bias)
     alone = _singles(probes, w, b)
+    persistent = _count_persistent_launches(monkeypatch)
     for m in sorted(set(GPU_ROWS) | set(_row_sizes(dtype, GPU_MAX_ROWS))):
         batch, _, _ = _gpu_problem(m, k, 1, dtype, seed=21 + m, bias=False)
         pos = torch.linspace(0, m - 1, min(m, 8), device=GPU).round().long().unique()
@@ -286,21 +366,26 @@ def test_gpu_rows_bitwise_equal_across_buckets(dtype, k, n, bias):
         out = linear(batch, w, b)
         assert_bitwise(out[pos], alone[: len(pos)], f"{m} rows, K={k}, N={n}")
         del out, batch
+    tma = dtype == torch.bfloat16 and L.tma_compatible(probes, w)
+    assert (persistent["calls"] > 0) == tma, (persistent, tma)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,m,candidates", [
     (GPU_SHAPES[0], 1027, True),  # every tuning candidate (each one is a compile)
     (GPU_SHAPES[0], 7, False),  # decode path: rows masked
-    (GPU_SHAPES[2], 300, False),  # K not a multiple of BLOCK_K: masked K loop
+    (GPU_SHAPES[2], 300, False),  # K not a multiple of BLOCK_K: masked K loop / TMA zero fill
+    (TMA_ODD_SHAPE, 300, False),  # persistent configs fall back to the tiled kernel
     (GPU_SHAPES[4], 1027, True),  # fp32 FMA path
 ])
-def test_gpu_every_geometry_gives_same_bits(shape, m, candidates):
-    """Every bucket, the fixed tile and the tuning candidates: launch geometry only."""
+def test_gpu_every_geometry_gives_same_bits(shape, m, candidates, monkeypatch):
+    """Every bucket, the fixed tile and the tuning candidates, both kernels: launch
+    geometry only."""
     dtype, k, n, bias = shape
     x, w, b = _gpu_problem(m, k, n, dtype, seed=22, bias=bias)
-    table = {cfg for _, cfg in L.buckets(dtype)}
+    table = {cfg for _, ladder in L.buckets(dtype) for cfg, _, _ in ladder}
     configs = L.geometry_variants(dtype, candidates=candidates)
+    persistent = _count_persistent_launches(monkeypatch)
     base = L.linear_forward(x, w, b, config=configs[0])
     for cfg in configs[1:]:
         try:
@@ -311,6 +396,24 @@ def test_gpu_every_geometry_gives_same_bits(shape, m, candidates):
             warnings.warn(f"candidate {cfg} does not fit this GPU")
             continue
         assert_bitwise(out, base, f"{cfg} vs {configs[0]}")
+    expected = sum(cfg.persistent for cfg in configs) if L.tma_compatible(x, w) else 0
+    assert persistent["calls"] == expected
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_and_tiled_kernels_agree_on_unaligned_views(monkeypatch):
+    """At a persistent-table row count, views TMA cannot read (unaligned base, transposed
+    weight) run the tiled kernel: same bits as the persistent kernel on aligned copies."""
+    m, k, n = 4096, 2048, 3072
+    x, w, b = _gpu_problem(m, k, n, torch.bfloat16, seed=28, bias=True)
+    persistent = _count_persistent_launches(monkeypatch)
+    base = linear(x, w, b)
+    assert persistent["calls"] == 1
+    buf = torch.zeros(m, k + 8, dtype=x.dtype, device=GPU)
+    buf[:, 1:k + 1] = x
+    assert_bitwise(linear(buf[:, 1:k + 1], w, b), base, "x one element past 16-byte alignment")
+    assert_bitwise(linear(x, w.t().contiguous().t(), b), base, "transposed weight view")
+    assert persistent["calls"] == 1
 
 
 @pytest.mark.gpu
@@ -379,7 +482,7 @@ def test_gpu_block_k_report(dtype):
     """Context, never a failure: does BLOCK_K change bits on this GPU? The MMA chain over
     K (k16 wgmma steps for bf16, one FMA per k for fp32) may make BLOCK_K a free choice."""
     x, w, b = _gpu_problem(300, 2048, 3072, dtype, seed=27, bias=True)
-    cfg = L.select_config(300, dtype)
+    cfg = L.select_config(300, 3072, 2048, dtype)
     base = L.linear_forward(x, w, b, config=cfg)
     report = {}
     for block_k in (cfg.block_k // 2, 2 * cfg.block_k):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from areal_tik.unified_kernels import reference
-from areal_tik.unified_kernels.rms_norm import NormConfig, _forward, add_rms_norm, rms_norm
+from areal_tik.unified_kernels.rms_norm import NormConfig, _forward, add_rms_norm, norm_candidates, rms_norm
 
 from ._bits import assert_bitwise, rel_err, ulp_distance
 
@@ -246,6 +246,48 @@ def test_negative_control_other_chunking_changes_bits(device):
     _assert_close_to_f64(chunked, reference.rms_norm(x, w, compute=F64), "chunked is still accurate")
 
 
+def _config_contract(cfg, x, r, w, lengths, shifts, what):
+    """One launch geometry: row slices at any offset (every row slot of a multi-row
+    program included) and shuffled rows reproduce the bits of the full batch."""
+    n = x.shape[0]
+    full_n, full_s = _forward(x, r, w, 1e-6, cfg)
+    plain, _ = _forward(x, None, w, 1e-6, cfg)
+    gen = torch.Generator().manual_seed(cfg.rows)
+    for t in lengths:
+        start = int(torch.randint(0, n - t + 1, (1,), generator=gen))
+        got_n, got_s = _forward(x[start : start + t], r[start : start + t], w, 1e-6, cfg)
+        assert_bitwise(got_n, full_n[start : start + t], f"{what} {cfg.name} T={t} at {start}")
+        assert_bitwise(got_s, full_s[start : start + t], f"{what} {cfg.name} summed T={t}")
+    for shift in shifts:
+        got, _ = _forward(x[shift:], None, w, 1e-6, cfg)
+        assert_bitwise(got, plain[shift:], f"{what} {cfg.name} shift {shift}")
+    perm = torch.randperm(n, generator=gen).to(x.device)
+    assert_bitwise(_forward(x[perm], None, w, 1e-6, cfg)[0], plain[perm], f"{what} {cfg.name} shuffled")
+    return plain
+
+
+@pytest.mark.parametrize("hidden", [64, 320])
+def test_candidate_configs_row_invariant(hidden, device):
+    """Every geometry the benchmark sweep may pick is row-invariant on its own, with row
+    counts that leave multi-row programs partly masked."""
+    n = 3 * max(c.rows for c in norm_candidates(hidden)) // 2 + 1
+    x, w, r = _inputs((n, hidden), torch.bfloat16, device, seed=21, residual=True)
+    want = reference.rms_norm(x, w, compute=F64)
+    for cfg in norm_candidates(hidden):
+        shifts = sorted({1, cfg.rows - 1, cfg.rows, cfg.rows + 1} - {0})
+        plain = _config_contract(cfg, x, r, w, (1, 3, n // 2), shifts, f"H={hidden}")
+        _assert_close_to_f64(plain, want, f"H={hidden} {cfg.name}")
+
+
+def test_candidate_list():
+    """The table's geometry comes first; all candidates keep one block per row."""
+    for hidden in (64, 128, 1000, 1024, 2048, 4096, 8192):
+        cands = norm_candidates(hidden)
+        assert cands[0] == rms_norm_mod.norm_config(hidden) and len(set(cands)) == len(cands)
+        assert all(c.block == cands[0].block and c.n_chunks == 1 for c in cands)
+    assert rms_norm_mod.norm_config(1024) == NormConfig(1024, 1, 4, 4)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -355,3 +397,30 @@ def test_gpu_negative_control():
     chunked, _ = _forward(x, None, w, 1e-6, NormConfig(1024, 4, 1, 8))
     with pytest.raises(AssertionError, match="differ in bits"):
         assert_bitwise(chunked, one_block, "chunks of 1024 vs one block")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [128, 1024, 2048, 4096])
+def test_gpu_candidate_configs(hidden):
+    """Each geometry the sweep times (the table's included) is row-invariant at real
+    sizes, every row slot of its multi-row programs included, and accurate."""
+    n = 4096 if hidden > 128 else 4096 * 16  # per-head form: T * 16 heads rows of 128
+    x, w, r = _inputs((n, hidden), torch.bfloat16, "cuda", seed=hidden + 1, residual=True)
+    want = reference.rms_norm(x, w, compute=F64)
+    for cfg in norm_candidates(hidden):
+        plain = _config_contract(cfg, x, r, w, (1, 2, 3, 17, 255, 1000, n - 1),
+                                 range(1, cfg.rows + 2), f"H={hidden}")
+        _assert_close_to_f64(plain, want, f"H={hidden} {cfg.name}")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs():
+    """CUDA inputs take the launchers' fast validation; it must let nothing bad through."""
+    test_bad_inputs("cuda")
+    x, w, r = _inputs((4, 64), torch.bfloat16, "cuda", residual=True)
+    with pytest.raises(ValueError, match="must share one device|must be on a CUDA device"):
+        rms_norm(x, w.cpu())
+    with pytest.raises(ValueError, match="must share one device|must be on a CUDA device"):
+        add_rms_norm(x, r.cpu(), w)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        rms_norm(x, w, True)

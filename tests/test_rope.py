@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal_tik.unified_kernels import reference
-from areal_tik.unified_kernels.rope import apply_rope, check_positions, rope_cos_sin
+from areal_tik.unified_kernels.rope import _launch, apply_rope, check_positions, rope_candidates, rope_config, rope_cos_sin
 
 from ._bits import assert_bitwise, rel_err, ulp_distance
 
@@ -197,6 +197,41 @@ def test_negative_control_tables_built_in_fp32(device):
         assert_bitwise(apply_rope(q, k, pos, cos32, sin32)[0], want, "fp32 tables vs float64 tables")
 
 
+def _assert_candidates_equal_table(q, k, pos, cos, sin, what):
+    """Every launch geometry gives the table's bits, forward and backward (the op is
+    elementwise with an explicit fma), and tokens keep their bits in any slice."""
+    hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    want = _launch(q, k, pos, cos, sin, False)
+    want_bwd = _launch(q, k, pos, cos, sin, True)
+    n = q.shape[0]
+    for cfg in rope_candidates(hq, hk, d):
+        for backward, ref in ((False, want), (True, want_bwd)):
+            got = _launch(q, k, pos, cos, sin, backward, cfg)
+            assert_bitwise(got[0], ref[0], f"{what} q {cfg.name} backward={backward}")
+            assert_bitwise(got[1], ref[1], f"{what} k {cfg.name} backward={backward}")
+        for start, size in ((1, n - 1), (n // 2, 1), (cfg.tokens - 1, cfg.tokens + 1)):
+            sl = slice(start, start + size)
+            got = _launch(q[sl], k[sl], pos[sl], cos, sin, False, cfg)
+            assert_bitwise(got[0], want[0][sl], f"{what} q {cfg.name} tokens [{start}:{start + size}]")
+            assert_bitwise(got[1], want[1][sl], f"{what} k {cfg.name} tokens [{start}:{start + size}]")
+
+
+@pytest.mark.parametrize("hq,hk,d", [(4, 2, 64), (3, 1, 16)])
+def test_candidate_configs_equal_table(hq, hk, d, device):
+    q, k, pos = _qk(13, hq, hk, d, torch.bfloat16, device, seed=8)
+    cos, sin = rope_cos_sin(512, d, device=device)
+    _assert_candidates_equal_table(q, k, pos, cos, sin, f"{hq}/{hk}/{d}")
+
+
+def test_config_table():
+    """Tokens per program: the fewest that give each thread a 16-byte vector of the k tile."""
+    assert rope_config(16, 8, 128).tokens == 2 and rope_config(32, 8, 64).tokens == 4
+    assert rope_config(64, 64, 128).tokens == 1 and rope_config(3, 1, 16).tokens == 8
+    for shape in ((16, 8, 128), (32, 8, 64)):
+        cands = rope_candidates(*shape)
+        assert cands[0] == rope_config(*shape) and len(set(cands)) == len(cands) > 1
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -216,9 +251,12 @@ def test_bad_inputs(device):
         (ValueError, "cos and sin must both be", (q, k, pos, cos, sin[:100])),
         (ValueError, "head_dim must be even", (q[..., :63], k[..., :63], pos, cos, sin)),
         (ValueError, "q must not be empty", (q[:0], k[:0], pos[:0], cos, sin)),
-        (ValueError, r"positions must lie in \[0, 512\), got 512", (q, k, pos * 0 + 512, cos, sin)),
-        (ValueError, r"positions must lie in \[0, 512\), got -1", (q, k, pos * 0 - 1, cos, sin)),
     ]
+    if pos.device.type == "cpu":  # CUDA positions are not range-checked (no sync; NaN instead)
+        cases += [
+            (ValueError, r"positions must lie in \[0, 512\), got 512", (q, k, pos * 0 + 512, cos, sin)),
+            (ValueError, r"positions must lie in \[0, 512\), got -1", (q, k, pos * 0 - 1, cos, sin)),
+        ]
     for exc, msg, args in cases:
         with pytest.raises(exc, match=msg):
             apply_rope(*args)
@@ -309,3 +347,23 @@ def test_backward_at_small_size(device):
 @pytest.mark.gpu
 def test_gpu_backward():
     _backward_at_size(16384, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hk,d", [(16, 8, 128), (32, 8, 64)])
+def test_gpu_candidate_configs_equal_table(hq, hk, d):
+    q, k, pos = _qk(16384, hq, hk, d, torch.bfloat16, "cuda", seed=9, max_pos=40960)
+    cos, sin = rope_cos_sin(40960, d, 1e6, device="cuda")
+    _assert_candidates_equal_table(q, k, pos, cos, sin, f"{hq}/{hk}/{d}")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs():
+    """CUDA inputs take the launcher's fast validation; it must let nothing bad through."""
+    test_bad_inputs("cuda")
+    q, k, pos = _qk(4, 2, 1, 64, torch.bfloat16, "cuda")
+    cos, sin = rope_cos_sin(512, 64, device="cuda")
+    with pytest.raises(ValueError, match="must share one device|must be on a CUDA device"):
+        apply_rope(q, k, pos.cpu(), cos, sin)
+    with pytest.raises(ValueError, match="must share one device|must be on a CUDA device"):
+        apply_rope(q, k, pos, cos, sin.cpu())

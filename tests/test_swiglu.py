@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from areal_tik.unified_kernels import reference
-from areal_tik.unified_kernels.swiglu import silu_mul
+from areal_tik.unified_kernels.swiglu import _forward, silu_candidates, silu_config, silu_mul
 
 from ._bits import assert_bitwise, rel_err, ulp_distance
 
@@ -106,6 +106,19 @@ def test_row_invariance(dtype, device):
     assert_bitwise(silu_mul(wide[:, 8 : 8 + width]), full, "strided rows")
 
 
+def _assert_candidates_equal_table(gu, what):
+    """Every launch geometry gives the table's bits (the op is elementwise)."""
+    want = _forward(gu)
+    for cfg in silu_candidates(gu.shape[-1] // 2):
+        assert_bitwise(_forward(gu, cfg), want, f"{what} {cfg.name}")
+        assert_bitwise(_forward(gu[1:4], cfg), want[1:4], f"{what} {cfg.name} rows [1:4]")
+
+
+def test_candidate_configs_equal_table(device):
+    _assert_candidates_equal_table(_gate_up((5, 2 * 1000), torch.bfloat16, device, seed=5), "I=1000")
+    assert silu_candidates(3072)[0] == silu_config(3072) and len(silu_candidates(3072)) == 5
+
+
 def test_negative_control_unrounded_activation(device):
     """The bitwise check can fail: a fused variant that keeps silu(gate) in fp32 instead of
     rounding it to bf16 first (HF's rounding point) gives different bits."""
@@ -178,3 +191,15 @@ def test_gpu_real_sizes(inter):
 @pytest.mark.gpu
 def test_gpu_fp32_and_backward():
     _fp32_and_backward_at_size(3072, 4096, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inter", [3072, 8192])
+def test_gpu_candidate_configs_equal_table(inter):
+    _assert_candidates_equal_table(_gate_up((4096, 2 * inter), torch.bfloat16, "cuda", seed=6), f"I={inter}")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs():
+    """CUDA inputs take the launcher's fast validation; it must let nothing bad through."""
+    test_bad_inputs("cuda")

@@ -1,27 +1,30 @@
 """Unified linear layer: ``y = x @ weight.T + bias`` with row-invariant bits.
 
 Numerics (fixed, identical for every row count): each output element accumulates in
-fp32 over K blocks 0, 1, 2, ... of a fixed BLOCK_K per dtype, always in the form
+fp32 over K blocks 0, 1, 2, ... of a fixed BLOCK_K per dtype, always as
 ``acc = tl.dot(a, b, acc)``; no split-K; the bias is added in fp32 after the loop and
 the result is rounded once to ``x.dtype``. bf16 operands go to the tensor cores as bf16
-(wgmma on Hopper); fp32 operands use ``input_precision="ieee"`` (exact fp32 FMAs, never
-TF32). Under the Triton interpreter the operands and accumulator are upcast to fp64 for
-``tl.dot`` (its bf16 dot is wrong, and numpy's fp32 matmul changes its summation order
-with the block shape; in fp64 a block's sum of bf16 products is exact), then the
-accumulator is rounded back to fp32 after each block.
+(wgmma on Hopper); fp32 operands use ``input_precision="ieee"`` (exact FMAs, never TF32).
+The Triton interpreter's bf16 dot is wrong and numpy's fp32 matmul orders its sums by
+block shape, so there the operands and accumulator go to fp64 for each block's dot
+(exact for bf16 products), rounded back to fp32 after every block.
 
-Launch geometry varies with the row count, numerics do not: a small table of row-count
-buckets picks BLOCK_M / BLOCK_N / num_warps / num_stages (tiny tiles that stream the
-weight at bandwidth for decode, 128x256 tiles for large prefill and training). An
-element's bits depend only on BLOCK_K, the K-loop order and the MMA instruction family,
-so every GPU bf16 config shares BLOCK_K and is wgmma-eligible (BLOCK_M a multiple of 64,
-num_warps a multiple of 4). The GPU contract test (tests/test_linear.py, ``-m gpu``)
-proves this bucket invariance; ``AREAL_TIK_LINEAR_FIXED_TILE=1`` (or setting
-``FIXED_TILE = True`` on this module) forces one config for every row count.
+Geometry varies with the row count and the weight shape, numerics do not. Two kernels
+compute the same per-element chain: a tiled kernel (one program per output tile,
+pointer loads) and, for large M on Hopper, a persistent kernel (one program per SM
+looping over tiles, TMA descriptor loads and stores). A row bucket holds a ladder of
+configs; the first whose grid suits this N is used (``select_config``). An element's
+bits depend only on BLOCK_K, the K-loop order and the MMA instruction family, so every
+GPU bf16 config shares BLOCK_K and is wgmma-eligible (BLOCK_M a multiple of 64, whole
+warpgroups); the GPU contract test (tests/test_linear.py, ``-m gpu``) proves every
+config, both kernels, bit-equal. ``AREAL_TIK_LINEAR_FIXED_TILE=1`` (or ``FIXED_TILE =
+True`` on this module) forces one config for every shape.
 
 Layout: x's leading dims are flattened with ``reshape`` (a copy only when they cannot be
 merged); the 2-D view's strides, and the weight's strides, go to the kernel, so a
-non-contiguous x or a transposed weight view needs no copy. The output is contiguous.
+non-contiguous x or a transposed weight view needs no copy (such views, or any operand
+whose base or row stride is not 16-byte aligned, take the tiled kernel: TMA needs
+both). The output is contiguous.
 
 Backward uses torch matmuls in fp32 (dX = dY @ W, dW = dY^T @ X, db = dY.sum(0)), cast
 to the input dtypes; it inherits torch's global TF32 setting for fp32 matmuls (off by
@@ -30,6 +33,7 @@ default).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -37,6 +41,11 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_same_device, check_tensor, interpreting
+
+try:  # host-side TMA descriptors (triton >= 3.3): no device scratch, no global allocator
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the tiled kernel serves every shape
+    TensorDescriptor = None
 
 # When True, one config per dtype serves every row count (see module docstring).
 FIXED_TILE = os.environ.get("AREAL_TIK_LINEAR_FIXED_TILE", "0") == "1"
@@ -50,83 +59,155 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # rows of tiles per L2 group in the program order
+    persistent: bool = False  # persistent TMA kernel (falls back to tiled when TMA cannot run)
+    split_epilogue: bool = False  # persistent: store each tile as two BLOCK_N/2 halves
 
 
-# Row-count buckets: ((max_rows, config), ...); the last bucket has max_rows None.
-# BLOCK_K is fixed per dtype (it sets the numerics); the rest is geometry only.
-# bf16 on GPU (H200): <=64 rows the weight read bounds the time, so narrow tiles give
-# N/32 programs with deep pipelines; large M uses 128x256x64 tiles (3 stages = 144 KiB
-# shared memory), the usual best shape for wgmma on Hopper. Compiled offline for sm_90a
-# (triton 3.6), every bf16 config here and in _GPU_CANDIDATES lowers to
-# wgmma.m64nNk16.f32.bf16.bf16 (4 per BLOCK_K=64 step), cp.async loads, no spills.
+def _cfg(bm, bn, warps, stages, kind="", block_k=64) -> TileConfig:
+    """A TileConfig; kind "P" is the persistent TMA kernel, "PS" that with a split epilogue."""
+    return TileConfig(bm, bn, block_k, num_warps=warps, num_stages=stages,
+                      persistent=kind.startswith("P"), split_epilogue=kind == "PS")
+
+
+def _rung(bm, bn, warps, stages, kind="", *, block_k=64, min_programs=128, per_sm=0) -> tuple:
+    """A ladder rung: (config, min_programs, per_sm). It fits a problem when the grid has
+    >= min_programs programs (tiles) and, if per_sm > 0, <= per_sm x #SMs (one wave)."""
+    return _cfg(bm, bn, warps, stages, kind, block_k), min_programs, per_sm
+
+
+# Buckets: ((max_rows, ladder), ...), the last with max_rows None. The first rung of the
+# ladder that fits the grid at the bucket's max rows (actual rows in the last bucket) and
+# this N is used, else the last rung. BLOCK_K is fixed per dtype (it sets the numerics).
+# bf16 on the H200 (132 SMs), from the first sweep (eager timing; us):
+#  <= 256 rows stream the weight: the time falls with the weight bytes in flight,
+#    #programs x BLOCK_N x BLOCK_K x (stages - 1): o (N=1024) M=1 64x16/s6 9.8, 64x32/s4
+#    13.3, 64x128/s3 19.0; up (N=6144) M=1 64x64/s6 15.3 (96 programs) ~ 64x16/s6 16.4
+#    (384). So: one wave of programs, each with the deepest pipeline that fits (~192 KiB
+#    shared memory for one program per SM, ~96 KiB for two), the widest tile that still
+#    gives >= 96 programs, else 64x16 (N <= 2048: 64..128 programs).
+#  <= 1024 rows: 64-wide tiles while 128x128 gives < 128 programs: up M=512 64x128 30.1 vs
+#    128x128 34.6; o M=1024 64x128/s4 15.8 vs 128x128 18.4; up M=1024 128x128/w4 49.4.
+#  > 1024 rows: 256x128x64 w8 s3: up M=16384 717 us vs 128x256 969 us; o M=4096 (128 such
+#    tiles) 128x128/w4 34.4 vs 256x128 34.7. Persistent + TMA where the operands allow,
+#    when every SM gets >= 2 tiles.
+_MIN_PROGRAMS = 128
+_BF16_STREAM = (
+    _rung(64, 128, 4, 8, min_programs=96, per_sm=1), _rung(64, 64, 4, 12, min_programs=96, per_sm=1),
+    _rung(64, 32, 4, 16, min_programs=96, per_sm=1), _rung(64, 16, 4, 20, min_programs=1, per_sm=1),
+    _rung(64, 128, 4, 4, min_programs=96, per_sm=2), _rung(64, 64, 4, 6, min_programs=96, per_sm=2),
+    _rung(64, 32, 4, 8, min_programs=96, per_sm=2), _rung(64, 16, 4, 10, min_programs=1, per_sm=2),
+    _rung(64, 128, 4, 4),  # many waves (LM head): two programs per SM hide each one's ramp
+)
 _GPU_BUCKETS = {
     torch.bfloat16: (
-        (64, TileConfig(64, 32, 64, num_warps=4, num_stages=6)),
-        (256, TileConfig(64, 128, 64, num_warps=4, num_stages=4)),
-        (1024, TileConfig(128, 128, 64, num_warps=8, num_stages=4)),
-        (None, TileConfig(128, 256, 64, num_warps=8, num_stages=3)),
+        *((rows, _BF16_STREAM) for rows in (64, 128, 256)),  # 1, 2, 4 tile rows of 64
+        (512, (_rung(64, 128, 4, 3), _rung(64, 64, 4, 6), _rung(64, 32, 4, 6))),
+        (1024, (_rung(128, 128, 4, 4), _rung(64, 128, 4, 4), _rung(64, 64, 4, 6))),
+        (None, (_rung(256, 128, 8, 3, "P", min_programs=2 * _MIN_PROGRAMS), _rung(256, 128, 8, 3),
+                _rung(128, 128, 4, 4), _rung(64, 128, 4, 4))),
     ),
     # fp32 runs exact FMAs (no tensor cores): modest tiles, no speed target.
-    torch.float32: (
-        (64, TileConfig(64, 32, 32, num_warps=4, num_stages=3)),
-        (None, TileConfig(64, 64, 32, num_warps=4, num_stages=3)),
-    ),
+    torch.float32: ((64, (_rung(64, 32, 4, 3, block_k=32),)), (None, (_rung(64, 64, 4, 3, block_k=32),))),
 }
-_GPU_FIXED = {
-    torch.bfloat16: TileConfig(64, 128, 64, num_warps=4, num_stages=4),
-    torch.float32: TileConfig(64, 64, 32, num_warps=4, num_stages=3),
-}
+_GPU_FIXED = {torch.bfloat16: _cfg(64, 128, 4, 4), torch.float32: _cfg(64, 64, 4, 3, block_k=32)}
 # Further geometries with the same BLOCK_K: the GPU contract test proves them bit-equal
 # to the table above and eval/bench_linear.py --sweep times them, so re-tuning the
 # table is a measured, invariance-safe edit.
 _GPU_CANDIDATES = {
-    torch.bfloat16: tuple(TileConfig(bm, bn, 64, num_warps=w, num_stages=s) for bm, bn, w, s in (
-        (64, 16, 4, 6), (64, 32, 4, 4), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 3),
-        (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 4, 4), (128, 256, 8, 2), (256, 128, 8, 3),
-    )),
-    torch.float32: tuple(TileConfig(bm, bn, 32, num_warps=w, num_stages=s) for bm, bn, w, s in (
-        (32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3),
-    )),
+    torch.bfloat16: tuple(_cfg(*spec) for spec in (
+        (64, 16, 4, 6), (64, 16, 4, 12), (64, 32, 4, 6), (64, 32, 4, 10), (64, 64, 4, 8), (64, 256, 4, 5),
+        (128, 64, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
+        (128, 128, 4, 4, "P"), (128, 128, 8, 4, "P"), (128, 256, 8, 3, "P"), (128, 256, 8, 3, "PS"),
+        (128, 256, 8, 4, "PS"), (256, 128, 8, 3, "PS"), (256, 128, 8, 4, "PS"))),
+    torch.float32: tuple(_cfg(*spec, block_k=32) for spec in ((32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3))),
 }
 # Interpreter: tiny tiles (a 128^3 interpreted matmul takes ~0.3 s) and small thresholds
-# so that tiny CPU tests cross a geometry change as the GPU buckets do.
+# so that tiny CPU tests cross a geometry change as the GPU buckets do. The persistent
+# kernel is never selected here; the tests run it through explicit candidates.
 _CPU_TABLE = (
-    (4, TileConfig(16, 16, 16)),
-    (32, TileConfig(16, 32, 16)),
-    (None, TileConfig(32, 32, 16)),
+    (4, (_rung(16, 16, 4, 3, block_k=16),)),
+    (32, (_rung(16, 32, 4, 3, block_k=16),)),
+    (None, (_rung(32, 32, 4, 3, block_k=16),)),
 )
 _CPU_BUCKETS = {torch.bfloat16: _CPU_TABLE, torch.float32: _CPU_TABLE}
-_CPU_FIXED = {torch.bfloat16: TileConfig(16, 16, 16), torch.float32: TileConfig(16, 16, 16)}
+_CPU_FIXED = {torch.bfloat16: _cfg(16, 16, 4, 3, block_k=16), torch.float32: _cfg(16, 16, 4, 3, block_k=16)}
+_CPU_CANDIDATES = (_cfg(16, 32, 4, 3, "P", block_k=16), _cfg(32, 32, 4, 3, "PS", block_k=16))
+_CPU_PROGRAMS = 3  # "SMs" of the interpreted persistent kernel: programs loop over tiles
+_REFERENCE_SMS = 132  # the H200's SM count: used where no GPU is present
 
 
 def buckets(dtype: torch.dtype) -> tuple:
-    """The ((max_rows, TileConfig), ...) table used for ``dtype`` in this process."""
+    """The ((max_rows, ladder), ...) table used for ``dtype`` in this process."""
     return (_CPU_BUCKETS if interpreting() else _GPU_BUCKETS)[dtype]
 
 
 def geometry_variants(dtype: torch.dtype, candidates: bool = True) -> tuple:
     """Every config that must give identical bits for ``dtype``: table, fixed, candidates."""
     if interpreting():
-        configs = [cfg for _, cfg in _CPU_BUCKETS[dtype]] + [_CPU_FIXED[dtype]]
+        table, fixed, extra = _CPU_BUCKETS, _CPU_FIXED, {dtype: _CPU_CANDIDATES}
     else:
-        configs = [cfg for _, cfg in _GPU_BUCKETS[dtype]] + [_GPU_FIXED[dtype]]
-        configs += list(_GPU_CANDIDATES[dtype]) if candidates else []
+        table, fixed, extra = _GPU_BUCKETS, _GPU_FIXED, _GPU_CANDIDATES
+    configs = [cfg for _, ladder in table[dtype] for cfg, _, _ in ladder] + [fixed[dtype]]
+    configs += list(extra[dtype]) if candidates else []
     return tuple(dict.fromkeys(configs))
 
 
-def select_config(rows: int, dtype: torch.dtype) -> TileConfig:
-    """Launch config for ``rows`` rows: the row-count bucket, or the fixed tile."""
-    if FIXED_TILE:
-        return (_CPU_FIXED if interpreting() else _GPU_FIXED)[dtype]
-    for max_rows, config in buckets(dtype):
+def select_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
+                  sms: int | None = None) -> TileConfig:
+    """Launch config for ``rows`` rows of a ``[n, k]`` weight: the bucket's ladder, or the fixed tile.
+
+    ``tma`` says whether the persistent TMA kernel can run (default: judged from n and k
+    for contiguous operands); when False, persistent rungs are skipped. ``sms``: the
+    GPU's SM count (default: the current CUDA device's, else the H200's 132).
+    """
+    if tma is None:
+        tma = (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
+    if sms is None:
+        cuda = not interpreting() and torch.cuda.is_available()
+        sms = _device_info(torch.cuda.current_device())[1] if cuda else _REFERENCE_SMS
+    return _select(rows, n, dtype, tma, sms, FIXED_TILE, interpreting())
+
+
+@functools.lru_cache(maxsize=4096)  # ~7 us of Python per call otherwise (launch overhead)
+def _select(rows, n, dtype, tma, sms, fixed_tile, interpret) -> TileConfig:
+    if fixed_tile:
+        return (_CPU_FIXED if interpret else _GPU_FIXED)[dtype]
+    for max_rows, ladder in (_CPU_BUCKETS if interpret else _GPU_BUCKETS)[dtype]:
         if max_rows is None or rows <= max_rows:
-            return config
+            span = rows if max_rows is None else max_rows
+            usable = [rung for rung in ladder if tma or not rung[0].persistent]
+            for cfg, min_programs, per_sm in usable:
+                programs = triton.cdiv(span, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+                if programs >= min_programs and (per_sm == 0 or programs <= per_sm * sms):
+                    return cfg
+            return usable[-1][0]
     raise AssertionError("bucket table must end with max_rows=None")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[bool, int]:
+    """(TMA-capable, number of SMs) of CUDA device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major >= 9, props.multi_processor_count
+
+
+def tma_compatible(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Can the persistent kernel run? TMA needs Hopper or newer, unit inner strides and
+    16-byte aligned base pointers and row strides (x, weight and the [M, N] output)."""
+    if TensorDescriptor is None:
+        return False
+    if not interpreting() and not (x2d.is_cuda and _device_info(x2d.device.index or 0)[0]):
+        return False
+    size = x2d.element_size()
+    return (x2d.stride(1) == 1 and weight.stride(1) == 1
+            and (x2d.stride(0) * size) % 16 == 0 and (weight.stride(0) * size) % 16 == 0
+            and x2d.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (weight.shape[0] * size) % 16 == 0)
 
 
 def _launch_metadata(grid, metadata, args):
     m, n, k = args["M"], args["N"], args["K"]
-    size = args["x_ptr"].element_size()
+    size = args["x_desc"].base.element_size() if "x_desc" in args else args["x_ptr"].element_size()
     return {
         "name": f"unified_linear [M={m}, N={n}, K={k}]",
         "flops": 2 * m * n * k,
@@ -142,6 +223,35 @@ def _bf16_rtne(x):
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     r = tl.where(x != x, (u >> 16) | 0x40, r)  # NaN stays a (quiet) NaN
     return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _round_out(acc, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    # The one rounding (RTNE) of the fp32 result to the output dtype.
+    if INTERPRET and dtype == tl.bfloat16:
+        return _bf16_rtne(acc)
+    return acc.to(dtype)
+
+
+@triton.jit
+def _dot_step(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # acc + a @ b for one K block: the per-element chain every kernel and config shares.
+    if INTERPRET:
+        # fp64 makes each block's sum of bf16 products exact, so the result does not
+        # depend on the summation order numpy's matmul picks per block shape.
+        acc64 = tl.dot(a.to(tl.float64), b.to(tl.float64), acc.to(tl.float64), out_dtype=tl.float64)
+        return acc64.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Tile index -> (tile row, tile col) in L2-grouped order: GROUP_M tile rows share each
+    # weight tile while it is hot. Order never affects numerics (one program per element).
+    group_size = GROUP_M * num_pid_n
+    first_m = (tile // group_size) * GROUP_M
+    rows_in_group = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % group_size) % rows_in_group, (tile % group_size) // rows_in_group
 
 
 @triton.jit(launch_metadata=_launch_metadata)
@@ -160,18 +270,8 @@ def _linear_fwd_kernel(
     INTERPRET: tl.constexpr,  # CPU interpreter: its bf16 dot is wrong; dot in fp64
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (ignored for bf16)
 ):
-    # Grid: one program per BLOCK_M x BLOCK_N output tile, 1-D, in L2-grouped order
-    # (GROUP_M tile rows share each weight tile while it is hot). Order does not matter
-    # for numerics: every output element is computed by exactly one program.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
-
+    # Grid: one program per BLOCK_M x BLOCK_N output tile, 1-D, in L2-grouped order.
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -194,13 +294,7 @@ def _linear_fwd_kernel(
             k_ok = offs_k < K - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        if INTERPRET:
-            # fp64 makes each block's sum of bf16 products exact, so the result does
-            # not depend on the summation order numpy's matmul picks per block shape.
-            acc64 = tl.dot(a.to(tl.float64), b.to(tl.float64), acc.to(tl.float64), out_dtype=tl.float64)
-            acc = acc64.to(tl.float32)
-        else:
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc = _dot_step(a, b, acc, INTERPRET, DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -208,40 +302,101 @@ def _linear_fwd_kernel(
         acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
-        out = _bf16_rtne(acc)
-    else:
-        out = acc.to(out_ptr.dtype.element_ty)  # one rounding (RTNE) to the output dtype
-    tl.store(out_ptrs, out, mask=mask)
+    tl.store(out_ptrs, _round_out(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit(launch_metadata=_launch_metadata)
+def _linear_fwd_persistent_kernel(
+    x_desc,  # TMA descriptor of x [M, K] (unit K stride), block [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of weight [N, K] (unit K stride), block [BLOCK_N, BLOCK_K]
+    out_desc,  # TMA descriptor of out [M, N] contiguous, block [BLOCK_M, BLOCK_N (/ 2 if SPLIT)]
+    b_ptr,  # [N] contiguous bias (unused when HAS_BIAS is False)
+    M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,  # the grid size bound: number of SMs
+    SPLIT_EPILOGUE: tl.constexpr,  # store two BLOCK_N/2 halves (less shared memory)
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Grid: min(#SMs, #tiles) programs; program p computes tiles p, p + NUM_PROGRAMS, ...
+    # in the same L2-grouped order as the tiled kernel. flatten=True lets the pipeliner
+    # issue the next tile's first TMA loads while this tile's epilogue runs. Each tile's
+    # reduction is the tiled kernel's: K blocks 0, 1, 2, ... in order, one dot per block,
+    # zeros past K (TMA fills out-of-bounds boxes with zeros; out-of-bounds stores drop).
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            a = x_desc.load([off_m, kb * BLOCK_K])
+            b = w_desc.load([off_n, kb * BLOCK_K])
+            acc = _dot_step(a, b.T, acc, INTERPRET, DOT_PRECISION)
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        dtype: tl.constexpr = out_desc.dtype
+        if SPLIT_EPILOGUE:
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            out_desc.store([off_m, off_n], _round_out(left, dtype, INTERPRET))
+            out_desc.store([off_m, off_n + BLOCK_N // 2], _round_out(right, dtype, INTERPRET))
+        else:
+            out_desc.store([off_m, off_n], _round_out(acc, dtype, INTERPRET))
+
+
+def _launch_options(x2d, bias, cfg: TileConfig) -> dict:
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                HAS_BIAS=bias is not None, INTERPRET=interpreting(),
+                DOT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_tiled(x2d, weight, bias, out, cfg: TileConfig) -> None:
+    (M, K), N = x2d.shape, weight.shape[0]
+    _linear_fwd_kernel[(triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)](
+        x2d, weight, bias if bias is not None else out, out, M, N, K,
+        x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        EVEN_K=K % cfg.block_k == 0, MASK_ROWS=M < cfg.block_m, **_launch_options(x2d, bias, cfg))
+
+
+def _launch_persistent(x2d, weight, bias, out, cfg: TileConfig) -> None:
+    (M, K), N = x2d.shape, weight.shape[0]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    sms = _CPU_PROGRAMS if interpreting() else _device_info(x2d.device.index or 0)[1]
+    _linear_fwd_persistent_kernel[(min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)](
+        TensorDescriptor(x2d, [M, K], [x2d.stride(0), 1], [bm, bk]),
+        TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [bn, bk]),
+        TensorDescriptor(out, [M, N], [N, 1], [bm, bn // 2 if cfg.split_epilogue else bn]),
+        bias if bias is not None else out, M, N, K,
+        NUM_PROGRAMS=sms, SPLIT_EPILOGUE=cfg.split_epilogue, **_launch_options(x2d, bias, cfg))
 
 
 def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    config: TileConfig | None = None) -> torch.Tensor:
     """Launch the forward kernel on validated 2-D ``x2d [M, K]``; returns ``[M, N]``.
 
-    ``config`` overrides the bucket choice (benchmarks and tests only: a different
-    BLOCK_K changes the numerics).
+    ``config`` overrides the table (benchmarks and tests only: a different BLOCK_K
+    changes the numerics). A persistent config whose operands TMA cannot read runs the
+    tiled kernel with the same tile shape.
     """
     M, K = x2d.shape
     N = weight.shape[0]
-    cfg = config if config is not None else select_config(M, x2d.dtype)
+    tma = tma_compatible(x2d, weight)
+    cfg = config
+    if cfg is None:
+        sms = _device_info(x2d.device.index or 0)[1] if x2d.is_cuda else _REFERENCE_SMS
+        cfg = select_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
     out = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     if bias is not None:
         bias = bias.contiguous()
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _linear_fwd_kernel[grid](
-        x2d, weight, bias if bias is not None else out, out,
-        M, N, K,
-        x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        HAS_BIAS=bias is not None,
-        EVEN_K=K % cfg.block_k == 0,
-        MASK_ROWS=M < cfg.block_m,
-        INTERPRET=interpreting(),
-        DOT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if cfg.persistent and tma:
+        _launch_persistent(x2d, weight, bias, out, cfg)
+    else:
+        _launch_tiled(x2d, weight, bias, out, cfg)
     return out
 
 

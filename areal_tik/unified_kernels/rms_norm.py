@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import triton
@@ -45,12 +46,19 @@ _EMULATE_RNE = interpreting()
 # thread, still without spills; wider rows (no current LLM) take the chunked path.
 _MAX_BLOCK = 16384
 _CHUNK = 4096
-# Rows per program are picked so that a program reads >= 2048 elements (4 KiB of bf16):
-# small rows (q/k norm, H = 64..128) then fill a program with 16-32 rows instead of
-# launching T * heads programs of 256 bytes each, whose per-program overhead would cap
-# the bandwidth. From H = 2048 up one row already suffices. (Reasoning; the choice per H
-# is timed against its alternatives by ``eval/bench_pointwise.py --sweep``.)
-_MIN_ELEMS_PER_PROGRAM = 2048
+# Launch geometry per width (``norm_config``): a program takes ROWS rows of one block of
+# next_power_of_2(H) columns, ROWS * block = 4096 elements for rows up to 2048 wide: 32
+# values per thread with 4 warps, i.e. four 16-byte loads of bf16 in flight per thread
+# and 8 KiB read per program, so that small rows (q/k norm, H = 64..128) fill a program
+# with 32-64 rows instead of launching T * heads programs of 256 bytes. Triton lays a
+# [ROWS, block] tile out with 8 contiguous bf16 per thread, then up to 32 lanes and
+# min(num_warps, block / 256) warps along the row, the rest of the warps across rows; so
+# with num_warps = 4 every row is reduced by the same lanes and warps, in the same
+# order, as with the earlier 2048-element programs (sm_90 TTGIR of both: identical
+# per-row layouts), and no output bit moved. Rows of 4096 and more keep one row per
+# program with 512 columns per warp. ``eval/bench_pointwise.py --sweep`` times the
+# alternatives in ``norm_candidates`` (and reports whether each keeps these bits).
+_ELEMS_PER_PROGRAM = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,22 +68,48 @@ class NormConfig:
     rows: int  # rows per program (a power of two)
     num_warps: int
 
+    @property
+    def name(self) -> str:
+        chunks = f"/c{self.n_chunks}" if self.n_chunks > 1 else ""
+        return f"r{self.rows}/w{self.num_warps}{chunks}"
+
+
+_CONFIGS: dict[tuple[int, int, int], NormConfig] = {}
+
 
 def norm_config(hidden: int) -> NormConfig:
     """Launch geometry for rows of width ``hidden``: a function of the width only."""
-    return _norm_config(hidden, _MAX_BLOCK, _CHUNK)
+    key = (hidden, _MAX_BLOCK, _CHUNK)  # the limits are module constants (tests shrink them)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = _make_config(*key)
+    return cfg
 
 
-@functools.lru_cache(maxsize=None)
-def _norm_config(hidden: int, max_block: int, chunk: int) -> NormConfig:
+def _make_config(hidden: int, max_block: int, chunk: int) -> NormConfig:
     block = triton.next_power_of_2(hidden)
     if block > max_block:
         return NormConfig(chunk, triton.cdiv(hidden, chunk), 1, 16)
-    rows = max(1, _MIN_ELEMS_PER_PROGRAM // block)
-    # 512 elements per warp = 16 values per thread: two 16-byte vectors of bf16 in
-    # flight per thread, enough memory-level parallelism without register pressure.
-    num_warps = min(16, max(4, rows * block // 512))
-    return NormConfig(block, 1, rows, num_warps)
+    rows = max(1, _ELEMS_PER_PROGRAM // block)
+    return NormConfig(block, 1, rows, min(16, max(4, block // 512)))
+
+
+def norm_candidates(hidden: int) -> list[NormConfig]:
+    """The table's geometry first, then the alternatives the benchmark sweep times: 2, 4
+    or 8 K elements per program at 16 or 32 per thread. Each is row-invariant on its own
+    (the GPU tests check every one); they differ in speed, and those that put another
+    number of warps on a row also in the bits they produce."""
+    table = norm_config(hidden)
+    out = [table]
+    if table.n_chunks > 1:
+        return out
+    for elems in (2048, 4096, 8192):
+        for per_thread in (32, 16):
+            rows, warps = elems // table.block, elems // (32 * per_thread)
+            cfg = NormConfig(table.block, 1, rows, warps)
+            if rows >= 1 and 4 <= warps <= 16 and cfg not in out:
+                out.append(cfg)
+    return out
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -204,27 +238,33 @@ def _rms_norm_bwd_kernel(
 
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
     """``t`` as contiguous, 16-byte aligned ``[rows, hidden]`` (a copy only if it is not)."""
-    t2 = t.reshape(-1, hidden)
+    t2 = t if t.dim() == 2 else t.reshape(-1, hidden)
     if not t2.is_contiguous() or t2.data_ptr() % 16:
         t2 = t2.clone(memory_format=torch.contiguous_format)  # fresh, aligned storage
     return t2
 
 
 def _forward(x, residual, weight, eps, config: NormConfig | None = None):
-    """Launch the forward kernel; returns (normed, summed or None) shaped like x."""
+    """Launch the forward kernel; returns (normed, summed or None) shaped like x.
+
+    Host work per call is kept to views, alignment checks and the output allocations:
+    at decode sizes the call's cost is its Python and launch overhead.
+    """
     hidden = x.shape[-1]
     cfg = config or norm_config(hidden)
     x2 = _rows(x, hidden)
     r2 = _rows(residual, hidden) if residual is not None else x2
-    w = _rows(weight, hidden)
+    w = weight if weight.is_contiguous() and weight.data_ptr() % 16 == 0 else _rows(weight, hidden)
     y = torch.empty_like(x2)
     s = torch.empty_like(x2) if residual is not None else y
-    grid = (triton.cdiv(x2.shape[0], cfg.rows),)
-    _rms_norm_fwd_kernel[grid](
-        x2, r2, w, y, s, x2.shape[0], eps,
+    n_rows = x2.shape[0]
+    _rms_norm_fwd_kernel[((n_rows + cfg.rows - 1) // cfg.rows,)](
+        x2, r2, w, y, s, n_rows, eps,
         H=hidden, BLOCK=cfg.block, N_CHUNKS=cfg.n_chunks, ROWS=cfg.rows,
         HAS_RESIDUAL=residual is not None, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
     )
+    if x2 is x:
+        return y, (s if residual is not None else None)
     return y.view(x.shape), (s.view(x.shape) if residual is not None else None)
 
 
@@ -298,6 +338,8 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 def _check(x, residual, weight, eps) -> float:
+    if _valid_cuda_call(x, residual, weight, eps):
+        return eps
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"x must have rank >= 1, got shape {tuple(x.shape)}")
@@ -313,8 +355,26 @@ def _check(x, residual, weight, eps) -> float:
     return check_positive_float("eps", eps)
 
 
-def _needs_autograd(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _valid_cuda_call(x, residual, weight, eps) -> bool:
+    """A cheap test that implies every check of ``_check`` (CUDA tensors, float eps): the
+    common case skips the generic validators; anything else takes them and gets their
+    error message. No check reads device memory (no synchronisation)."""
+    if not (type(eps) is float and 0.0 < eps < math.inf and isinstance(x, torch.Tensor)
+            and isinstance(weight, torch.Tensor) and x.is_cuda and weight.is_cuda):
+        return False
+    dev = x.get_device()
+    ok = (x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES and x.dim() >= 1
+          and weight.dim() == 1 and x.numel() > 0 and weight.shape[0] == x.shape[-1]
+          and weight.get_device() == dev)
+    if ok and residual is not None:
+        ok = (isinstance(residual, torch.Tensor) and residual.is_cuda and residual.get_device() == dev
+              and residual.dtype == x.dtype and residual.shape == x.shape)
+    return ok
+
+
+def _needs_autograd(x, residual, weight) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (residual is not None and residual.requires_grad))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -323,7 +383,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     Also the per-head q/k norm: ``x [T, heads, head_dim]``, ``weight [head_dim]``.
     """
     eps = _check(x, None, weight, eps)
-    if _needs_autograd(x, weight):
+    if _needs_autograd(x, None, weight):
         return _RMSNormFn.apply(x, None, weight, eps)
     return _forward(x, None, weight, eps)[0]
 

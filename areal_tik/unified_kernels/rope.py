@@ -14,7 +14,8 @@ Rotation (``reference.apply_rope``), per token t, head h and pair i < D/2, with
 The fma is written out so that the compiler has no contraction choice left: a row's bits
 are then the same whatever the tensor's strides or alignment (which change the compiled
 specialisation). The op is elementwise per token, so any grid gives the same bits; one
-program handles one token (its cos/sin row is loaded once for all q and k heads).
+program handles all q and k heads of a few tokens (``rope_config``, a function of the
+head layout only), loading each token's cos/sin row once.
 
 Positions must lie in ``[0, max_positions)``. CPU positions are checked on the host
 (ValueError); for CUDA positions a check would synchronise on every call, so instead the
@@ -26,6 +27,8 @@ Backward: the transposed rotation, i.e. the same kernel with ``-sin``. Outputs a
 contiguous tensors (out of place).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -41,38 +44,90 @@ _EMULATE_RNE = interpreting()
 _POSITION_DTYPES = (torch.int32, torch.int64)
 
 
+# ------------------------------------------------------------------------ launch geometry
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    tokens: int  # tokens per program (a power of two)
+    num_warps: int
+
+    @property
+    def name(self) -> str:
+        return f"t{self.tokens}/w{self.num_warps}"
+
+
+# Launch geometry per head layout (never per token count): a program rotates all q and
+# k heads of TOKENS tokens. With one token per program and 4 warps, the k tile of
+# Qwen3 (8 x 64 pairs) or Llama-3.2 (8 x 32) gives a thread only 2-4 values, so its
+# loads are 4-8 bytes wide (sm_90 PTX: ld.global.v2); TOKENS is the smallest power of
+# two that gives every thread at least one 16-byte vector of bf16 in the k tile (Qwen3:
+# 2 tokens, 24 KiB moved per program; Llama-3.2: 4 tokens, 40 KiB). The op is elementwise
+# with an explicit fma, so the geometry cannot change a bit (the GPU tests compare every
+# candidate with the table's); ``eval/bench_pointwise.py --sweep`` times the candidates.
+_MIN_K_ELEMS_PER_PROGRAM = 8 * 32 * 4
+_MAX_TOKENS = 8
+_CONFIGS: dict[tuple[int, int, int], RopeConfig] = {}
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def rope_config(hq: int, hk: int, head_dim: int) -> RopeConfig:
+    """Launch geometry for ``hq`` query heads, ``hk`` key heads of ``head_dim``."""
+    key = (hq, hk, head_dim)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        k_elems = _pow2(hk) * _pow2(head_dim // 2)
+        tokens = min(_MAX_TOKENS, max(1, _MIN_K_ELEMS_PER_PROGRAM // k_elems))
+        cfg = _CONFIGS[key] = RopeConfig(_pow2(tokens), 4)
+    return cfg
+
+
+def rope_candidates(hq: int, hk: int, head_dim: int) -> list[RopeConfig]:
+    """The table's geometry first, then the alternatives the benchmark sweep times."""
+    out = [rope_config(hq, hk, head_dim)]
+    for tokens, warps in ((1, 4), (1, 2), (2, 4), (4, 4), (4, 8), (8, 8)):
+        cfg = RopeConfig(tokens, warps)
+        if cfg not in out and len(out) < 5:
+            out.append(cfg)
+    return out
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr,  # [NH, 2 * HALF] one token's heads (head stride stride_h, unit column stride)
+    x_ptr,  # [T, NH, 2 * HALF] heads (strides stride_t, stride_h, 1)
+    stride_t,
     stride_h,
-    o_ptr,  # [NH, 2 * HALF] contiguous output for the same token
-    c,  # [BLOCK_HALF] fp32 cos row
-    s,  # [BLOCK_HALF] fp32 sin row (negated for backward)
+    o_ptr,  # [T, NH, 2 * HALF] contiguous output
+    t,  # [TOKENS, 1, 1] int64 token indices
+    t_ok,  # [TOKENS, 1, 1] token < T
+    c,  # [TOKENS, 1, BLOCK_HALF] fp32 cos rows
+    s,  # [TOKENS, 1, BLOCK_HALF] fp32 sin rows (negated for backward)
     NH: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    h = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)  # head-major views: h * stride_h > 2^31
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < NH) & (i < HALF)
-    lo = x_ptr + h * stride_h + i
+    h = tl.arange(0, BLOCK_H)[None, :, None].to(tl.int64)  # head-major views: h * stride_h > 2^31
+    i = tl.arange(0, BLOCK_HALF)[None, None, :]
+    mask = t_ok & (h < NH) & (i < HALF)
+    lo = x_ptr + t * stride_t + h * stride_h + i
     x_lo = tl.load(lo, mask=mask, other=0.0).to(tl.float32)
     x_hi = tl.load(lo + HALF, mask=mask, other=0.0).to(tl.float32)
-    c = c[None, :]
-    s = s[None, :]
     out_lo = tl.fma(x_lo, c, -(x_hi * s))
     out_hi = tl.fma(x_hi, c, x_lo * s)
-    o = o_ptr + h * (2 * HALF) + i
+    o = o_ptr + t * (NH * 2 * HALF) + h * (2 * HALF) + i
     tl.store(o, cast_rne(out_lo, o_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
     tl.store(o + HALF, cast_rne(out_hi, o_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])
 def _rope_kernel(
     q_ptr,  # [T, HQ, D] queries (strides stride_qt, stride_qh, 1)
     k_ptr,  # [T, HK, D] keys (strides stride_kt, stride_kh, 1)
@@ -81,6 +136,7 @@ def _rope_kernel(
     pos_ptr,  # [T] int32/int64 absolute positions
     cos_ptr,  # [max_pos, HALF] fp32
     sin_ptr,  # [max_pos, HALF] fp32
+    n_tokens,
     max_pos,
     stride_qt,
     stride_qh,
@@ -92,47 +148,51 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    TOKENS: tl.constexpr,
     BACKWARD: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    # Grid: one program per token (the grid covers the tokens exactly); no reduction.
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
+    # Grid: one program per TOKENS consecutive tokens (tokens past T are masked); no
+    # reduction. Each token's cos/sin row is loaded once for all its q and k heads.
+    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    t_ok = t < n_tokens
+    pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
     # Out-of-range positions: no table read; NaN cos/sin poison the token's outputs.
-    ok = (i < HALF) & (pos >= 0) & (pos < max_pos)
-    c = tl.load(cos_ptr + pos * HALF + i, mask=ok, other=float("nan"))
-    s = tl.load(sin_ptr + pos * HALF + i, mask=ok, other=float("nan"))
+    ok = ((pos >= 0) & (pos < max_pos))[:, None] & (i < HALF)
+    c = tl.load(cos_ptr + pos[:, None] * HALF + i, mask=ok, other=float("nan"))[:, None, :]
+    s = tl.load(sin_ptr + pos[:, None] * HALF + i, mask=ok, other=float("nan"))[:, None, :]
     if BACKWARD:
         s = -s
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * (HQ * 2 * HALF), c, s,
-                  HQ, HALF, BLOCK_HQ, BLOCK_HALF, EMULATE_RNE)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, ko_ptr + t * (HK * 2 * HALF), c, s,
-                  HK, HALF, BLOCK_HK, BLOCK_HALF, EMULATE_RNE)
+    t = t[:, None, None]
+    t_ok = t_ok[:, None, None]
+    _rotate_heads(q_ptr, stride_qt, stride_qh, qo_ptr, t, t_ok, c, s, HQ, HALF, BLOCK_HQ, BLOCK_HALF,
+                  EMULATE_RNE)
+    _rotate_heads(k_ptr, stride_kt, stride_kh, ko_ptr, t, t_ok, c, s, HK, HALF, BLOCK_HK, BLOCK_HALF,
+                  EMULATE_RNE)
 
 
 # ---------------------------------------------------------------------------- launchers
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _launch(q, k, positions, cos, sin, backward: bool):
+def _launch(q, k, positions, cos, sin, backward: bool, config: RopeConfig | None = None):
     """Rotate q [T, HQ, D] and k [T, HK, D]; returns new contiguous tensors."""
-    q, k = _unit_last_stride(q), _unit_last_stride(k)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     n_tokens, hq, d = q.shape
     hk = k.shape[1]
-    half = d // 2
+    cfg = config or rope_config(hq, hk, d)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    # 4 warps: a token is at most a few thousand elements (e.g. 16 x 128 + 8 x 128).
-    _rope_kernel[(n_tokens,)](
-        q, k, q_out, k_out, positions, cos.contiguous(), sin.contiguous(),
-        cos.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        HQ=hq, HK=hk, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=triton.next_power_of_2(half),
-        BACKWARD=backward, EMULATE_RNE=_EMULATE_RNE, num_warps=4,
+    _rope_kernel[((n_tokens + cfg.tokens - 1) // cfg.tokens,)](
+        q, k, q_out, k_out, positions, cos, sin, n_tokens, cos.shape[0],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=_pow2(hq), BLOCK_HK=_pow2(hk), BLOCK_HALF=_pow2(d // 2),
+        TOKENS=cfg.tokens, BACKWARD=backward, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
     )
     return q_out, k_out
 
@@ -184,7 +244,30 @@ def check_positions(positions: torch.Tensor, max_positions: int) -> None:
         raise ValueError(f"positions must lie in [0, {max_positions}), got {bad}")
 
 
+def _valid_cuda_call(q, k, positions, cos, sin) -> bool:
+    """A cheap test that implies every check of ``_check`` for CUDA tensors (the common
+    case skips the generic validators; anything else takes them and gets their message)."""
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(positions, tensor)
+            and isinstance(cos, tensor) and isinstance(sin, tensor) and q.is_cuda and k.is_cuda
+            and positions.is_cuda and cos.is_cuda and sin.is_cuda):
+        return False
+    dev = q.get_device()
+    if not (k.get_device() == dev and positions.get_device() == dev and cos.get_device() == dev
+            and sin.get_device() == dev and q.dim() == 3 and k.dim() == 3 and positions.dim() == 1
+            and cos.dim() == 2):
+        return False
+    n_tokens, _, d = q.shape
+    return (q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and positions.dtype in _POSITION_DTYPES
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32 and q.numel() > 0
+            and k.numel() > 0 and d % 2 == 0 and k.shape[0] == n_tokens and k.shape[2] == d
+            and positions.shape[0] == n_tokens and cos.shape == sin.shape and cos.shape[0] > 0
+            and cos.shape[1] == d // 2)
+
+
 def _check(q, k, positions, cos, sin) -> None:
+    if _valid_cuda_call(q, k, positions, cos, sin):
+        return
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor("k", k, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor("positions", positions, dtypes=_POSITION_DTYPES, ndim=1)

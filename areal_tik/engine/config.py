@@ -1,0 +1,146 @@
+"""Typed configuration of the rollout engine and of one request's sampling."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizing. ``max_model_len`` counts prompt plus generated tokens.
+
+    num_kv_blocks:          paged KV blocks (block 0 is reserved as a scratch block for
+                            CUDA-graph padding rows); None measures it: on a GPU, what is
+                            left of ``gpu_memory_utilization`` after a warm-up at maximum
+                            batch; on CPU, ``cpu_kv_cache_bytes`` worth, capped at what
+                            ``max_num_seqs`` sequences of ``max_model_len`` need.
+    max_num_batched_tokens: prompt tokens one prefill step may process (>= max_model_len,
+                            so that a preempted sequence can always be recomputed).
+    cuda_graphs:            capture decode in CUDA graphs per batch-size bucket (GPU only).
+    max_graph_batch_size:   largest captured bucket; bigger decode batches run eagerly.
+    cuda_graph_sizes:       the exact buckets to capture (default: 1, 2, 4, 8, then
+                            multiples of 16 up to max_graph_batch_size).
+    seed:                   derives the sampling key of requests that carry no seed.
+    """
+
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    kv_block_size: int = 64
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+    cuda_graphs: bool = True
+    max_graph_batch_size: int | None = None
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("max_model_len", self.max_model_len, minimum=2)
+        _check_int("kv_block_size", self.kv_block_size, minimum=1)
+        if self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size!r}")
+        _check_int("num_kv_blocks", self.num_kv_blocks, minimum=2, allow_none=True)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 8192)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_model_len ({self.max_model_len}) so that a "
+                f"preempted sequence can be recomputed in one step, got {self.max_num_batched_tokens!r}")
+        util = _check_float("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, minimum=1)
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        _check_int("max_graph_batch_size", self.max_graph_batch_size, minimum=1, allow_none=True)
+        if self.max_graph_batch_size is None:
+            self.max_graph_batch_size = min(self.max_num_seqs, 512)
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(sorted(set(self.cuda_graph_sizes)))
+            for size in sizes:
+                _check_int("cuda_graph_sizes entry", size, minimum=1)
+            if not sizes or sizes[-1] > self.max_num_seqs:
+                raise ValueError(f"cuda_graph_sizes must be non-empty and <= max_num_seqs "
+                                 f"({self.max_num_seqs}), got {self.cuda_graph_sizes!r}")
+            self.cuda_graph_sizes = sizes
+        _check_int("seed", self.seed)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.kv_block_size)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples.
+
+    temperature 0 means greedy (argmax). top_k 0 and top_p 1.0 switch those filters off.
+    Log-probs are always recorded over the full vocabulary at ``temperature`` (at 1.0 for
+    greedy): the objective's definition. With greedy, top-k or top-p the sampling
+    distribution differs from the recorded one, so ``logprobs_match_sampling`` is False
+    and a trainer must not reuse those log-probs as behaviour log-probs.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        t = _check_float("temperature", self.temperature)
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check_int("top_k", self.top_k, minimum=0)
+        p = _check_float("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1)
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {stops!r}")
+        stops = tuple(stops)
+        for tok in stops:
+            _check_int("stop_token_ids entry", tok, minimum=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_int("seed", self.seed, minimum=0, allow_none=True)
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_p", p)
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the recorded log-probs (1.0 for greedy, which has no distribution)."""
+        return 1.0 if self.greedy else self.temperature
+
+    @property
+    def logprobs_match_sampling(self) -> bool:
+        """True iff tokens were drawn from exactly the distribution the log-probs describe."""
+        return not self.greedy and self.top_k == 0 and self.top_p == 1.0

@@ -1,0 +1,257 @@
+"""Runs the model for one scheduled step: input preparation, prefill / decode, sampling.
+
+Decode on a GPU replays CUDA graphs captured per batch-size bucket (largest first, one
+shared memory pool); the batch is padded to its bucket with rows that write and read
+only the scratch block 0, and since every op is row-invariant the padding changes no
+bits of the real rows. Prefill and CPU decode run eagerly.
+
+Per step the host sends one small set of index tensors and reads back the sampled tokens
+and their log-probs once; nothing syncs per token.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import sampler
+from .block_manager import SCRATCH_BLOCK, BlockManager
+from .config import EngineConfig
+from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    """Captured decode batch sizes: 1, 2, 4, 8, then multiples of 16, and ``max_bs`` itself."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
+    return sorted(set(sizes + [max_bs]))
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.device = model.device
+        self.block_size = config.kv_block_size
+        self._check_limits()
+        num_blocks = config.num_kv_blocks or self._measure_num_blocks()
+        self._check_num_blocks(num_blocks)
+        self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
+        self.block_manager = BlockManager(num_blocks, self.block_size)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_replays = 0  # decode steps served by a CUDA graph
+        if config.cuda_graphs and self.device.type == "cuda":
+            self._capture_graphs()
+
+    # ------------------------------------------------------------------ sizing
+
+    def _check_limits(self) -> None:
+        spec = self.model.config
+        if self.config.max_model_len > spec.max_positions:
+            raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({spec.max_positions})")
+
+    def _block_bytes(self) -> int:
+        spec = self.model.config
+        itemsize = torch.empty((), dtype=self.model.dtype).element_size()
+        return 2 * spec.n_layers * self.block_size * spec.n_kv_heads * spec.head_dim * itemsize
+
+    def _check_num_blocks(self, num_blocks: int) -> None:
+        need = self.config.max_blocks_per_seq + 1  # one full-length sequence plus scratch
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV cache has {num_blocks} blocks of {self.block_size} tokens; one sequence of "
+                f"max_model_len={self.config.max_model_len} needs {need} (including the scratch block): "
+                "lower max_model_len or give more memory")
+
+    def _measure_num_blocks(self) -> int:
+        cfg = self.config
+        wanted = cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
+        if self.device.type != "cuda":
+            return max(min(wanted, cfg.cpu_kv_cache_bytes // self._block_bytes()), 2)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        current = torch.cuda.memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * cfg.gpu_memory_utilization - (total - free) - (peak - current)
+        num = int(budget // self._block_bytes())
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num, self.block_size,
+                    num * self._block_bytes() / 2**30)
+        return max(min(num, wanted), 2)
+
+    def _warmup(self) -> None:
+        """A prefill at the token budget and a sampling pass at max batch: the activation peak."""
+        cfg = self.config
+        seq_len = cfg.max_model_len
+        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        tokens = num_seqs * seq_len
+        cache = self.model.new_kv_cache(-(-tokens // self.block_size) + 1, self.block_size)
+        dev = self.device
+        cu = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32, device=dev)
+        positions = torch.arange(seq_len, device=dev).repeat(num_seqs)
+        with torch.inference_mode():
+            hidden = self.model.prefill(
+                torch.zeros(tokens, dtype=torch.int64, device=dev), positions, cu, seq_len, cache,
+                torch.arange(tokens, device=dev) + self.block_size, (cu[1:] - 1).long())
+            rows = hidden[:1].expand(cfg.max_num_seqs, -1).contiguous()
+            logits, _ = self.model.logits_lse(rows, 1.0)
+            ids = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=dev)
+            sampler.sample(logits, 1.0, ids, ids, top_k=ids + 1, top_p=None)
+        del cache, hidden, rows, logits
+        torch.cuda.synchronize(dev)
+
+    # ------------------------------------------------------------------ inputs
+
+    def _to_device(self, values, dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> dict:
+        ids, positions, slots, cu = [], [], [], [0]
+        for seq in seqs:
+            n = seq.num_tokens
+            ids.extend(seq.token_ids)
+            positions.extend(range(n))
+            slots.extend(self.block_manager.slots(seq, 0, n))
+            cu.append(cu[-1] + n)
+        return dict(
+            input_ids=self._to_device(ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
+            cu_seqlens=self._to_device(cu, torch.int32),
+            max_seqlen=max(s.num_tokens for s in seqs),
+            slot_mapping=self._to_device(slots, torch.int64),
+            logits_indices=self._to_device([c - 1 for c in cu[1:]], torch.int64),
+        )
+
+    def prepare_decode(self, seqs: list[Sequence], pad_to: int, width: int) -> dict:
+        """Decode inputs for ``seqs`` padded to ``pad_to`` rows that touch only the scratch block."""
+        pad = pad_to - len(seqs)
+        scratch_slot = SCRATCH_BLOCK * self.block_size
+        tables = [s.block_table + [SCRATCH_BLOCK] * (width - len(s.block_table)) for s in seqs]
+        return dict(
+            input_ids=self._to_device([s.last_token for s in seqs] + [0] * pad, torch.int64),
+            positions=self._to_device([s.num_tokens - 1 for s in seqs] + [0] * pad, torch.int64),
+            slot_mapping=self._to_device(
+                [self.block_manager.slot(s, s.num_tokens - 1) for s in seqs] + [scratch_slot] * pad,
+                torch.int64),
+            block_tables=self._to_device(tables + [[SCRATCH_BLOCK] * width] * pad, torch.int32),
+            context_lens=self._to_device([s.num_tokens for s in seqs] + [1] * pad, torch.int32),
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
+        hidden = self._prefill(seqs) if is_prefill else self._decode(seqs)
+        tokens, logprobs = self.sample(hidden, seqs)
+        # One device-to-host copy per step; fp32 log-probs and token ids are exact in fp64.
+        host = torch.stack([tokens.double(), logprobs.double()]).cpu()
+        return StepResult([int(t) for t in host[0].tolist()], host[1].tolist())
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        inputs = self.prepare_prefill(seqs)
+        return self.model.prefill(cache=self.kv_cache, **inputs)
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        batch = len(seqs)
+        bucket = next((b for b in sorted(self.graphs) if b >= batch), None)
+        if bucket is None:
+            width = max(len(s.block_table) for s in seqs)
+            return self.model.decode(cache=self.kv_cache, **self.prepare_decode(seqs, batch, width))
+        inputs = self.prepare_decode(seqs, bucket, self.config.max_blocks_per_seq)
+        for name, value in inputs.items():
+            self._graph_inputs[name][:bucket].copy_(value)
+        self.graphs[bucket].replay()
+        self.graph_replays += 1
+        return self._graph_outputs[bucket][:batch]
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled tokens [B] and their fp32 log-probs [B], one LM-head pass per temperature.
+
+        The log-prob of a row comes from the same (logits, lse) pass its token is sampled
+        from, at its request's temperature (1.0 for greedy) over the full vocabulary.
+        Rows are grouped by temperature because the op takes one float; the ops are
+        row-invariant, so the grouping changes no bits.
+        """
+        groups: dict[float, list[int]] = {}
+        for row, seq in enumerate(seqs):
+            groups.setdefault(seq.params.temperature, []).append(row)
+        if len(groups) == 1:
+            (temperature, rows), = groups.items()
+            return self._sample_group(hidden, [seqs[r] for r in rows], temperature)
+        tokens = torch.empty(len(seqs), dtype=torch.int64, device=hidden.device)
+        logprobs = torch.empty(len(seqs), dtype=torch.float32, device=hidden.device)
+        for temperature, rows in groups.items():
+            index = self._to_device(rows, torch.int64)
+            tok, lp = self._sample_group(hidden[index], [seqs[r] for r in rows], temperature)
+            tokens[index] = tok
+            logprobs[index] = lp
+        return tokens, logprobs
+
+    def _sample_group(self, hidden, seqs: list[Sequence], temperature: float):
+        logprob_t = seqs[0].params.logprob_temperature
+        logits, lse = self.model.logits_lse(hidden, logprob_t)
+        keys = self._to_device([[s.sample_key for s in seqs], [s.num_output_tokens for s in seqs]], torch.int64)
+        top_k = top_p = None
+        if any(s.params.top_k for s in seqs):
+            top_k = self._to_device([s.params.top_k for s in seqs], torch.int64)
+        if any(s.params.top_p < 1.0 for s in seqs):
+            top_p = self._to_device([s.params.top_p for s in seqs], torch.float32)
+        tokens = sampler.sample(logits, temperature, keys[0], keys[1], top_k, top_p)
+        logprobs = self.model.ops.gather_logprobs(logits, lse, tokens, logprob_t)
+        return tokens, logprobs
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _capture_graphs(self) -> None:
+        cfg = self.config
+        sizes = cfg.cuda_graph_sizes or graph_buckets(min(cfg.max_graph_batch_size, cfg.max_num_seqs))
+        max_bs = max(sizes)
+        width = cfg.max_blocks_per_seq
+        dev = self.device
+        scratch_slot = SCRATCH_BLOCK * self.block_size
+        self._graph_inputs = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), scratch_slot, dtype=torch.int64, device=dev),
+            block_tables=torch.full((max_bs, width), SCRATCH_BLOCK, dtype=torch.int32, device=dev),
+            context_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+        )
+        self._graph_outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        try:
+            with torch.inference_mode():
+                for bs in reversed(sizes):
+                    pool = self._capture_one(bs, pool)
+        except RuntimeError as exc:  # e.g. an op that syncs or allocates outside the pool
+            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {exc}", RuntimeWarning, stacklevel=2)
+            self.graphs.clear()
+            self._graph_outputs.clear()
+        torch.cuda.synchronize(dev)
+
+    def _capture_one(self, bs: int, pool):
+        inputs = {name: t[:bs] for name, t in self._graph_inputs.items()}
+        self.model.decode(cache=self.kv_cache, **inputs)  # warm-up: compiles kernels for this shape
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._graph_outputs[bs] = self.model.decode(cache=self.kv_cache, **inputs)
+        self.graphs[bs] = graph
+        return graph.pool() if pool is None else pool

@@ -1,0 +1,303 @@
+"""TikFSDPPPOActor: AReaL's FSDP PPO actor with the unified training forward, log-prob
+reuse, the bitwise audit and in-process weight sync.
+
+With ``actor.unified_kernels`` off it is exactly ``FSDPPPOActor`` (every override starts
+by deferring to it), so one class can stand in for AReaL's everywhere (the ref model too).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+from areal.engine import FSDPPPOActor
+from areal.infra.dist_rollout import DistRolloutCoordinator
+from areal.infra.platforms import current_platform
+from areal.utils import stats_tracker
+from torch import distributed as dist
+
+from areal_tik.unified_kernels._common import interpreting
+
+from . import reuse
+from .audit import AuditResult, RunState, compare_bits
+from .config import actor_refusals
+from .log import logger
+from .training import TikOutput, packed_logprobs
+
+
+def log_tik_stats(**values: float) -> None:
+    """Scalars under ``tik/`` in AReaL's default stats tracker (exported to W&B each step)."""
+    tracker = stats_tracker.DEFAULT_TRACKER
+    with tracker.disable_scope(), tracker.scope("tik"):
+        tracker.scalar(**values)
+
+
+def is_tik_engine(engine) -> bool:
+    return bool(getattr(engine, "is_areal_tik_engine", False))
+
+
+class TikFSDPPPOActor(FSDPPPOActor):
+    """FSDPPPOActor whose forward runs on the areal-tik unified model when the flag is on."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tik_model = None
+        self.tik_state: RunState | None = None
+        self._tik_first_minibatch = False
+
+    @property
+    def tik_flag(self) -> bool:
+        """``actor.unified_kernels`` as configured."""
+        return bool(getattr(self.config, "unified_kernels", False))
+
+    @property
+    def tik_enabled(self) -> bool:
+        """The flag is on and the unified model wraps this actor's model."""
+        return self.tik_model is not None
+
+    # ------------------------------------------------------------------ setup
+
+    def _unified_supports_model(self) -> bool:
+        from areal_tik.model import ModelSpec
+
+        try:
+            ModelSpec.from_hf_config(self.model_config)
+        except ValueError:
+            return False
+        return True
+
+    def _create_llm_actor_or_critic(self):
+        if not (self.tik_flag and self._unified_supports_model()):
+            return super()._create_llm_actor_or_critic()
+        # The unified path never calls the HF attention; build the modules with SDPA so
+        # that no flash-attention install is needed for a flag that replaces it.
+        saved, self.config.attn_impl = self.config.attn_impl, "sdpa"
+        try:
+            return super()._create_llm_actor_or_critic()
+        finally:
+            self.config.attn_impl = saved
+
+    def initialize(self, *args, **kwargs):
+        super().initialize(*args, **kwargs)
+        if not self.tik_flag:
+            return
+        from areal_tik.model import UnifiedCausalLM
+
+        helper = self.parallel_helper
+        if helper.sp_size > 1 or helper.tp_size > 1:
+            raise ValueError("actor.unified_kernels supports data parallelism only; "
+                             f"got sequence/tensor parallel sizes {helper.sp_size}/{helper.tp_size}")
+        refusals = []
+        try:
+            self.tik_model = UnifiedCausalLM.from_hf(self.model, kernels=self.config.tik_kernels)
+        except ValueError as exc:  # a model family the unified model does not implement
+            refusals.append(f"the unified kernels do not support this model ({exc}); the actor runs "
+                            "AReaL's stock forward")
+        refusals += actor_refusals(self.config)
+        self.tik_state = RunState(audit_every=self.config.tik_audit_every)
+        self.config._tik_state = self.tik_state  # read by should_compute_prox_logp()
+        self.tik_refuse(refusals)
+        if self.tik_model is not None:
+            logger.info("areal-tik: actor forward runs %r", self.tik_model)
+
+    def tik_refuse(self, reasons: list[str]) -> None:
+        """Add config-level reasons why reuse would not be exact; logs the refusal."""
+        new = [r for r in reasons if r not in self.tik_state.refusals]
+        self.tik_state.refusals.extend(new)
+        if new:
+            logger.warning("areal-tik: log-prob reuse refused, old log-probs are recomputed as AReaL "
+                           "does without the flag. Reasons: %s", "; ".join(self.tik_state.refusals))
+
+    def connect_engine(self, engine, meta):
+        if not (self.tik_enabled and is_tik_engine(engine)):
+            if self.tik_flag:
+                self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
+            return super().connect_engine(engine, meta)
+        self.rollout_engine = engine
+        self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
+        self._push_weights(engine, self.get_version())  # same bits from the first rollout on
+        current_platform.synchronize()
+        dist.barrier(group=self.cpu_group)
+
+    # ------------------------------------------------------------------ weights
+
+    def _compute_weights(self):
+        """(name, full parameter in the compute dtype): the bits the forward sees."""
+        dtype = getattr(torch, self.config.dtype)
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            yield name, full.detach().to(dtype)
+
+    def _push_weights(self, engine, version: int) -> None:
+        engine.load_weights(self._compute_weights(), version=version)
+
+    def update_weights(self, meta):
+        if not (self.tik_enabled and is_tik_engine(self.rollout_engine)):
+            return super().update_weights(meta)
+        version = meta.version if meta.version is not None else self.get_version() + 1
+        with self._offload_aware_context():
+            self._push_weights(self.rollout_engine, version)
+        current_platform.synchronize()
+        dist.barrier(group=self.cpu_group)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False) -> None:
+        if not self.tik_enabled:
+            return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
+        with self._exclusive_kernels():
+            for mb_item in mb_list:
+                inputs, ctx = self._prepare_mb_inputs(mb_item)
+                out = packed_logprobs(self.tik_model, inputs, self.config.temperature,
+                                      return_entropy=not forward_only, pad_length=ctx.pad_length)
+                loss = process_output_fn(out, ctx.to_dict())
+                if not forward_only and loss is not None:
+                    loss.backward()
+
+    def _exclusive_kernels(self):
+        """The Triton CPU interpreter keeps launch state in globals, so kernels from the
+        training thread and the engine thread must not interleave: hold the engine between
+        steps while training. (On a GPU both run concurrently.)"""
+        if interpreting() and is_tik_engine(self.rollout_engine):
+            return self.rollout_engine.between_steps()
+        return contextlib.nullcontext()
+
+    def _compute_forward_result(self, logits, ctx):
+        if not isinstance(logits, TikOutput):
+            return super()._compute_forward_result(logits, ctx)
+        return logits.logprobs  # already without the pad
+
+    def _compute_logprobs_and_loss(self, logits, ctx, loss_fn, loss_weight_fn, total_loss_weight,
+                                   loss_multiplier: float = 1.0):
+        if not isinstance(logits, TikOutput):
+            return super()._compute_logprobs_and_loss(
+                logits, ctx, loss_fn, loss_weight_fn, total_loss_weight, loss_multiplier)
+        local_weight = loss_weight_fn(ctx.mb_input)
+        if local_weight == 0:
+            return logits.logprobs.sum() * 0.0
+        out = logits  # already without the pad
+        if self._tik_first_minibatch:
+            self._record_first_minibatch(out.logprobs.detach(), ctx.mb_input)
+        # vocab min/max logits are not materialised on the fused path (stats only).
+        loss = loss_fn(out.logprobs, out.entropy, ctx.mb_input)
+        return loss * (local_weight / total_loss_weight * loss_multiplier)
+
+    # ------------------------------------------------------------------ PPO hooks
+
+    def ppo_update(self, *args, **kwargs) -> None:
+        self._tik_first_minibatch = self.tik_enabled
+        try:
+            super().ppo_update(*args, **kwargs)
+        finally:
+            self._tik_first_minibatch = False
+
+    def train_batch(self, *args, **kwargs):
+        try:
+            return super().train_batch(*args, **kwargs)
+        finally:
+            self._tik_first_minibatch = False  # the optimizer has stepped
+
+    @torch.no_grad()
+    def compute_advantages(self, data, *args, **kwargs):
+        if self.tik_enabled and isinstance(data, list) and data:
+            self._prepare_old_logprobs(data)
+        return super().compute_advantages(data, *args, **kwargs)
+
+    def _record_first_minibatch(self, logprobs: torch.Tensor, mb: dict[str, Any]) -> None:
+        """Bits of the first minibatch's ratio numerator vs its denominator (AReaL's prox)."""
+        reference = mb["prox_logp"] if mb.get("prox_logp") is not None else mb["logprobs"]
+        mask = mb["loss_mask"].bool().reshape(-1)
+        result = compare_bits([reference.reshape(-1)], [logprobs.reshape(-1)], [mask])
+        log_tik_stats(first_minibatch_exact_fraction=result.bitwise_fraction,
+                      first_minibatch_max_abs_log_ratio=result.max_abs_delta)
+        self.tik_state.first_minibatch_exact.append(result.bitwise_fraction)
+
+    # ------------------------------------------------------------------ reuse and audit
+
+    def _recompute(self, batch: list[dict]) -> list[torch.Tensor]:
+        """AReaL's own recompute (``PPOActor.compute_logp``, our training forward) on ``batch``."""
+        return self.actor.compute_logp(batch)
+
+    def _recompute_rows(self, batch: list[dict], rows: list[tuple[int, int]]) -> dict:
+        """One recompute over the sequences ``rows``; times it for the savings estimate."""
+        if not rows:
+            return {}
+        sample = reuse.row_batch(batch, rows)
+        start = time.perf_counter()
+        out = self._recompute(sample)
+        current_platform.synchronize()
+        tokens = sum(int(t["attention_mask"].sum()) for t in sample)
+        self.tik_state.recompute_seconds_per_token = (time.perf_counter() - start) / max(tokens, 1)
+        return {row: values for row, values in zip(rows, out)}
+
+    def _all_reduce(self, values: list[float], op) -> list[float]:
+        """Reduce over the training processes (gloo), so every rank takes the same branch
+        and issues the same FSDP collectives."""
+        if not dist.is_initialized() or dist.get_world_size(self.cpu_group) == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.cpu_group)
+        return t.tolist()
+
+    def _audit(self, batch: list[dict], rows, recomputed: dict, version: int) -> AuditResult:
+        """Bit comparison on this rank's sample, summed over all ranks (one verdict for all)."""
+        sample = reuse.row_batch(batch, rows)
+        local = compare_bits([reuse.reused_logprobs(t)[0] for t in sample], [recomputed[r][0] for r in rows],
+                             [reuse.fresh_mask(t, version)[0] for t in sample])
+        n_tokens, n_equal = self._all_reduce([local.n_tokens, local.n_equal], dist.ReduceOp.SUM)
+        (max_delta,) = self._all_reduce([local.max_abs_delta], dist.ReduceOp.MAX)
+        first = local.first_mismatch or (None if n_equal == n_tokens else "on another rank")
+        return AuditResult(int(n_tokens), int(n_equal), max_delta, first)
+
+    def _prepare_old_logprobs(self, batch: list[dict]) -> None:
+        """Audit, reuse and fallback for one step's rollout batch (before compute_advantages).
+
+        The audit's sequences and the sequences holding stale tokens are recomputed in one
+        pass; a failed audit recomputes the whole batch instead.
+        """
+        state, version = self.tik_state, self.get_version()
+        needs_prox = self.config.stock_should_compute_prox_logp()
+        trainer_recomputed = all(t.get("prox_logp") is not None for t in batch)
+        stats = {}
+        if state.reuse_active:
+            plan = reuse.plan_reuse(batch, version)
+            audit_due, audit_rows = state.audit_due(version), []
+            if audit_due:
+                fresh_rows = [(i, r) for i, t in enumerate(batch)
+                              for r in reuse.fresh_mask(t, version).any(dim=-1).nonzero().flatten().tolist()]
+                audit_rows = reuse.select_rows(batch, self.config.tik_audit_sequences, fresh_rows)
+            stale_rows = plan.stale_rows()
+            rows = list(dict.fromkeys(audit_rows + stale_rows))
+            if self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0] > 0 and not rows:
+                rows = [(0, 0)]  # another rank recomputes: join its FSDP collectives with one sequence
+            recomputed = self._recompute_rows(batch, rows)
+            if audit_due:
+                audit = self._audit(batch, audit_rows, recomputed, version)
+                state.record_audit(audit, version)
+                if audit.conclusive:
+                    stats.update(bitwise_fraction=audit.bitwise_fraction, max_abs_delta=audit.max_abs_delta,
+                                 audit_passed=float(audit.passed), audited_tokens=float(audit.n_tokens))
+            if state.reuse_active:
+                reuse.merge_recomputed(plan, stale_rows, [recomputed[r] for r in stale_rows])
+                stats.update(self._account_reuse(batch, plan, stale_rows, needs_prox))
+        if state.fallback_reason is not None and not trainer_recomputed:
+            # Fell back at this step's audit: this batch gets AReaL's recompute now, and the
+            # run keeps recomputing (recompute_logprob makes AReaL ask for it every step).
+            self.config.recompute_logprob = True
+            for traj, logp in zip(batch, self._recompute(batch)):
+                traj["prox_logp"] = logp
+            stats.update(tokens_recomputed=float(sum(int(reuse.scored_mask(t).sum()) for t in batch)))
+        stats.update(reuse_active=float(state.reuse_active), fallback=float(state.fallback_reason is not None))
+        log_tik_stats(**stats)
+
+    def _account_reuse(self, batch, plan, stale_rows, needs_prox: bool) -> dict[str, float]:
+        if needs_prox:
+            for traj, prox in zip(batch, plan.prox):
+                traj["prox_logp"] = prox
+        tokens = [int(t["attention_mask"].sum()) for t in batch]
+        stale_tokens = sum(int(batch[i]["attention_mask"][r].sum()) for i, r in stale_rows)
+        skipped = sum(tokens) - stale_tokens if needs_prox else 0  # forward tokens not recomputed
+        saved = self.tik_state.note_reuse(plan.n_reused, plan.n_stale, skipped)
+        return dict(tokens_reused=float(plan.n_reused), tokens_recomputed=float(plan.n_stale),
+                    recompute_seconds_saved=saved)

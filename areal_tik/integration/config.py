@@ -1,0 +1,248 @@
+"""Typed configuration: AReaL's config dataclasses plus the areal-tik options.
+
+YAML (loaded by AReaL's own ``load_expr_config``; unknown keys still raise)::
+
+    actor:
+      backend: "fsdp:d1"
+      unified_kernels: true        # the flag
+      tik_reuse_logprobs: true     # rollout log-probs are the old/proximal log-probs
+      tik_audit_every: 10          # bitwise audit on step 1 and every N steps (0: step 1 only)
+      tik_audit_sequences: 4       # sequences recomputed per audit (0: the whole batch)
+      tik_kernels: unified         # "standard" runs the same code on stock kernels (baseline)
+    rollout:
+      backend: "sglang:d1"         # AReaL's parser needs an inference backend name; with
+      tik_engine: auto             # tik_engine auto/inprocess the areal-tik engine serves it
+    stats_logger:
+      wandb: {mode: offline}       # offline is the default here
+
+``validate(config)`` raises ``ValueError`` for combinations that cannot run;
+``reuse_refusals(config, vocab_size)`` lists why log-prob reuse would not be exact
+(reuse is then refused, recompute is used, and the reasons are logged).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal.api.alloc_mode import ModelAllocation
+from areal.api.cli_args import (
+    GRPOConfig,
+    InferenceEngineConfig,
+    PPOActorConfig,
+    PPOConfig,
+    StatsLoggerConfig,
+    WandBConfig,
+)
+
+TIK_ENGINE_MODES = ("auto", "inprocess", "off")
+TIK_KERNELS = ("unified", "standard")
+
+
+@dataclass
+class TikPPOActorConfig(PPOActorConfig):
+    """PPOActorConfig plus the unified-kernel flag and its options."""
+
+    unified_kernels: bool = field(
+        default=False,
+        metadata={"help": "Run the actor's training forward on the unified kernels "
+                          "(bitwise identical to the areal-tik rollout engine)."})
+    tik_reuse_logprobs: bool = field(
+        default=True,
+        metadata={"help": "Use rollout log-probs as old/proximal log-probs instead of a "
+                          "recompute pass, where that is exact."})
+    tik_audit_every: int = field(
+        default=10,
+        metadata={"help": "Recompute a sample and compare bits on step 1 and every N steps; "
+                          "0 audits step 1 only."})
+    tik_audit_sequences: int = field(
+        default=4,
+        metadata={"help": "Sequences recomputed per audit; 0 recomputes the whole batch."})
+    tik_kernels: str = field(
+        default="unified",
+        metadata={"help": "Kernel set of the areal-tik model: 'unified' or 'standard' "
+                          "(stock ops on the same code path; never reused).",
+                  "choices": list(TIK_KERNELS)})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.unified_kernels, bool):
+            raise TypeError(f"actor.unified_kernels must be a bool, got {self.unified_kernels!r}")
+        for name in ("tik_audit_every", "tik_audit_sequences"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"actor.{name} must be an int >= 0, got {value!r}")
+        if self.tik_kernels not in TIK_KERNELS:
+            raise ValueError(f"actor.tik_kernels must be one of {TIK_KERNELS}, got {self.tik_kernels!r}")
+        if self.unified_kernels:
+            _validate_actor(self)
+
+    def should_compute_prox_logp(self) -> bool:
+        """AReaL's switch for the recompute pass; False while reuse stands in for it."""
+        state = getattr(self, "_tik_state", None)
+        if state is not None and state.reuse_active:
+            return False
+        return super().should_compute_prox_logp()
+
+    def stock_should_compute_prox_logp(self) -> bool:
+        """What stock AReaL would answer for this config (ignores reuse)."""
+        return PPOActorConfig.should_compute_prox_logp(self)
+
+
+@dataclass
+class TikInferenceEngineConfig(InferenceEngineConfig):
+    """InferenceEngineConfig plus the in-process areal-tik engine's sizing."""
+
+    tik_engine: str = field(
+        default="auto",
+        metadata={"help": "'inprocess': the areal-tik engine serves rollouts inside each "
+                          "training process; 'off': AReaL's backend named in rollout.backend; "
+                          "'auto': inprocess when actor.unified_kernels is on.",
+                  "choices": list(TIK_ENGINE_MODES)})
+    tik_max_num_seqs: int = field(default=64, metadata={"help": "Sequences decoded at once."})
+    tik_max_model_len: int = field(default=4096, metadata={"help": "Prompt plus output tokens."})
+    tik_kv_block_size: int = field(default=16, metadata={"help": "Paged KV block size."})
+    tik_num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "KV blocks; None measures what fits."})
+    tik_cuda_graphs: bool = field(default=True, metadata={"help": "Capture decode in CUDA graphs."})
+    tik_gpu_memory_utilization: float = field(
+        default=0.5,
+        metadata={"help": "GPU memory fraction the process may reach once the engine's KV cache is "
+                          "allocated (the trainer shares the GPU, so lower than a standalone engine)."})
+    tik_seed: int = field(default=0, metadata={"help": "Seed of the engine's sampling keys."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 < self.tik_gpu_memory_utilization <= 1:
+            raise ValueError("rollout.tik_gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.tik_gpu_memory_utilization!r}")
+        if self.tik_engine not in TIK_ENGINE_MODES:
+            raise ValueError(
+                f"rollout.tik_engine must be one of {TIK_ENGINE_MODES}, got {self.tik_engine!r}")
+
+
+@dataclass
+class TikWandBConfig(WandBConfig):
+    """W&B offline unless the YAML says otherwise."""
+
+    mode: str = field(
+        default="offline",
+        metadata={"help": "One of 'online', 'offline', 'disabled', 'shared'.",
+                  "choices": ["online", "offline", "disabled", "shared"]})
+
+
+@dataclass
+class TikStatsLoggerConfig(StatsLoggerConfig):
+    wandb: TikWandBConfig = field(default_factory=TikWandBConfig)
+
+
+@dataclass
+class TikPPOConfig(PPOConfig):
+    actor: TikPPOActorConfig = field(default_factory=TikPPOActorConfig)
+    ref: TikPPOActorConfig | None = field(default=None)  # ref.unified_kernels: its logp on the kernels too
+    rollout: TikInferenceEngineConfig = field(default_factory=TikInferenceEngineConfig)
+    stats_logger: TikStatsLoggerConfig = field(default_factory=TikStatsLoggerConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate(self)
+
+
+@dataclass
+class TikGRPOConfig(TikPPOConfig, GRPOConfig):
+    """GRPOConfig with the areal-tik actor, rollout and logger options."""
+
+
+def _parallel(backend: str):
+    return ModelAllocation.from_str(backend).parallel
+
+
+def _validate_actor(actor: TikPPOActorConfig) -> None:
+    backend = (actor.backend or "").split(":")[0]
+    if backend != "fsdp":
+        raise ValueError(
+            "actor.unified_kernels needs the FSDP training backend (actor.backend: 'fsdp:d<N>'); "
+            f"got actor.backend={actor.backend!r}. The megatron and archon backends run their "
+            "own model code, which the unified kernels do not replace.")
+    par = _parallel(actor.backend)
+    if par.tp_size > 1 or par.cp_size > 1 or par.pp_size > 1:
+        raise ValueError(
+            "actor.unified_kernels supports data parallelism only (fsdp:d<N>); "
+            f"got actor.backend={actor.backend!r}")
+    if actor.use_lora:
+        raise ValueError("actor.unified_kernels does not support LoRA (actor.use_lora=true)")
+    if actor.enable_tree_training:
+        raise ValueError("actor.unified_kernels does not support tree training "
+                         "(actor.enable_tree_training=true)")
+    if actor.is_critic:
+        raise ValueError("actor.unified_kernels applies to the policy, not a critic (is_critic=true)")
+
+
+def engine_mode(config: TikPPOConfig) -> str:
+    """'inprocess' or 'off' after resolving 'auto'."""
+    mode = config.rollout.tik_engine
+    if mode == "auto":
+        return "inprocess" if config.actor.unified_kernels else "off"
+    return mode
+
+
+def validate(config: TikPPOConfig) -> None:
+    """Raise ValueError for option combinations that cannot run."""
+    if engine_mode(config) == "inprocess":
+        if not config.actor.unified_kernels:
+            raise ValueError("rollout.tik_engine='inprocess' needs actor.unified_kernels=true")
+        par = _parallel(config.rollout.backend)
+        if par.tp_size > 1 or par.pp_size > 1:
+            raise ValueError(
+                "the in-process areal-tik engine runs one replica per training process; "
+                f"rollout.backend={config.rollout.backend!r} asks for tensor/pipeline parallelism")
+        if config.rollout.use_lora:
+            raise ValueError("the in-process areal-tik engine does not serve LoRA adapters")
+
+
+def top_k_active(top_k: int, vocab_size: int | None) -> bool:
+    """AReaL disables top-k with 0/negative or any k >= vocabulary size (default 1e8)."""
+    if top_k <= 0:
+        return False
+    return vocab_size is None or top_k < vocab_size
+
+
+def actor_refusals(actor: TikPPOActorConfig) -> list[str]:
+    """Reasons in the actor's own options (the actor checks these without the full config)."""
+    reasons = []
+    if not actor.tik_reuse_logprobs:
+        reasons.append("actor.tik_reuse_logprobs is false")
+    if actor.tik_kernels != "unified":
+        reasons.append(f"actor.tik_kernels={actor.tik_kernels!r} is not bitwise across regimes")
+    return reasons
+
+
+def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,
+                   include_engine: bool = True) -> list[str]:
+    """Why rollout log-probs cannot stand in for the recompute exactly ([] = they can).
+
+    ``include_engine=False`` leaves out the rollout-engine check (the actor makes it
+    itself when it is connected to the real engine object)."""
+    actor, g = config.actor, config.gconfig
+    if not actor.unified_kernels:
+        return ["actor.unified_kernels is off"]
+    reasons = actor_refusals(actor)
+    if include_engine and engine_mode(config) != "inprocess":
+        reasons.append(
+            f"rollouts come from AReaL's {config.rollout.backend.split(':')[0]!r} backend, not the "
+            "areal-tik engine, so their log-probs are not bitwise the trainer's")
+    if g.greedy:
+        reasons.append("greedy decoding (gconfig.greedy=true) samples from no distribution")
+    if top_k_active(g.top_k, vocab_size):
+        reasons.append(f"top-k sampling (gconfig.top_k={g.top_k}) differs from the full softmax")
+    if g.top_p < 1.0:
+        reasons.append(f"top-p sampling (gconfig.top_p={g.top_p}) differs from the full softmax")
+    if g.min_new_tokens > 0:
+        reasons.append(f"gconfig.min_new_tokens={g.min_new_tokens} masks stop tokens while sampling")
+    if g.frequency_penalty != 0.0:
+        reasons.append(f"gconfig.frequency_penalty={g.frequency_penalty} changes the sampled logits")
+    if g.use_beam_search:
+        reasons.append("beam search does not sample from the policy")
+    if not g.greedy and g.temperature != actor.temperature:
+        reasons.append(
+            f"rollout temperature (gconfig.temperature={g.temperature}) differs from the "
+            f"actor's (actor.temperature={actor.temperature})")
+    return reasons

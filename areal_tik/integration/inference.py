@@ -1,0 +1,191 @@
+"""TikInferenceEngine: the areal-tik rollout engine behind AReaL's InferenceEngine interface,
+in the training process (colocated).
+
+It reuses AReaL's own request plumbing (``RemoteInfEngine``: workflow resolution,
+``WorkflowExecutor`` with staleness control, submit/wait/prepare_batch, pause/resume)
+and replaces the HTTP parts: ``agenerate`` runs the request on an in-process
+``areal_tik.engine.LLM``, and weights arrive with ``load_weights`` from the actor (same
+bf16 bits, copied in place between engine steps) instead of from disk or NCCL.
+
+A weight update (``LLM.update_weights(..., recompute_running=True)``) sends every
+running sequence back to prefill, so the tokens it samples next are computed with the
+new weights over a KV cache computed by the new weights too: each token has one
+version, and a trainer holding that version reproduces its log-prob bit for bit.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import torch
+from areal.api import ModelRequest, ModelResponse
+from areal.infra import RemoteInfEngine, WorkflowExecutor
+from areal.utils import logging as areal_logging
+from areal.utils import perf_tracer, stats_tracker
+
+from .config import top_k_active
+from .log import logger
+
+
+def sampling_params(gconfig, max_new_tokens: int, vocab_size: int):
+    """areal_tik SamplingParams for an AReaL ``GenerationHyperparameters``; ValueError for
+    options the engine does not implement (rather than ignoring them)."""
+    from areal_tik.engine import SamplingParams
+
+    if gconfig.n_samples != 1:
+        raise ValueError(f"one request samples one sequence; got n_samples={gconfig.n_samples}")
+    unsupported = {
+        "min_new_tokens": gconfig.min_new_tokens > 0,
+        "frequency_penalty": gconfig.frequency_penalty != 0.0,
+        "use_beam_search": gconfig.use_beam_search,
+        "stop (strings)": bool(gconfig.stop),
+    }
+    bad = [name for name, on in unsupported.items() if on]
+    if bad:
+        raise ValueError(f"the areal-tik engine does not implement {bad}; unset them in gconfig "
+                         "(stop_token_ids is supported)")
+    return SamplingParams(
+        temperature=0.0 if gconfig.greedy else float(gconfig.temperature),
+        top_k=int(gconfig.top_k) if top_k_active(gconfig.top_k, vocab_size) else 0,
+        top_p=float(gconfig.top_p),
+        max_new_tokens=int(max_new_tokens),
+        stop_token_ids=tuple(int(t) for t in gconfig.stop_token_ids if t is not None),
+        ignore_eos=bool(gconfig.ignore_eos),
+    )
+
+
+def build_llm(config, model_path: str, dtype: torch.dtype, kernels: str, device):
+    """An ``areal_tik.engine.LLM`` over the checkpoint at ``model_path``, sized by the
+    ``tik_*`` options of a TikInferenceEngineConfig."""
+    from areal_tik.engine import LLM, EngineConfig
+    from areal_tik.model import UnifiedCausalLM
+
+    model = UnifiedCausalLM.from_pretrained(model_path, dtype=dtype, device=device, kernels=kernels)
+    max_len = min(config.tik_max_model_len, model.config.max_positions)
+    if max_len < config.tik_max_model_len:
+        logger.info("areal-tik engine: max_model_len %d capped at the model's %d positions",
+                    config.tik_max_model_len, max_len)
+    engine_config = EngineConfig(
+        max_num_seqs=config.tik_max_num_seqs, max_model_len=max_len,
+        kv_block_size=config.tik_kv_block_size, num_kv_blocks=config.tik_num_kv_blocks,
+        cuda_graphs=config.tik_cuda_graphs, seed=config.tik_seed,
+        gpu_memory_utilization=config.tik_gpu_memory_utilization)
+    return LLM(model, engine_config)
+
+
+class TikInferenceEngine(RemoteInfEngine):
+    """In-process InferenceEngine over the areal-tik LLM (``is_areal_tik_engine``)."""
+
+    is_areal_tik_engine = True
+
+    def __init__(self, config, llm=None, *, model_path: str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, kernels: str = "unified", device=None):
+        super().__init__(config, backend=None)
+        if llm is None and not model_path:
+            raise ValueError("TikInferenceEngine needs an LLM or a model_path to build one")
+        self.llm = llm
+        self._owns_llm = llm is None
+        self._build_args = (model_path, dtype, kernels, device)
+
+    def initialize(self, engine_id: str | None = None, addr=None, train_data_parallel_size: int | None = None):
+        if addr:
+            raise ValueError(f"the in-process areal-tik engine serves no address; got addr={addr!r}")
+        self.engine_id = engine_id or uuid.uuid4().hex
+        self.logger = areal_logging.getLogger(f"areal-tik engine {self.engine_id}")
+        if self.llm is None:
+            model_path, dtype, kernels, device = self._build_args
+            self.llm = build_llm(self.config, model_path, dtype, kernels, device)
+        self.workflow_executor = WorkflowExecutor(config=self.config, inference_engine=self)
+        self.workflow_executor.initialize(logger=self.logger, train_data_parallel_size=train_data_parallel_size)
+        self._initialized = True
+
+    def destroy(self):
+        super().destroy()
+        if self._owns_llm and self.llm is not None:
+            self.llm.close()
+
+    # ------------------------------------------------------------------ generation
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        gconfig = req.gconfig
+        if req.image_data or req.vision_msg_vllm:
+            raise ValueError("the areal-tik engine serves text-only decoder models; this request has images")
+        max_new_tokens = min(gconfig.max_tokens - len(req.input_ids), gconfig.max_new_tokens)
+        if max_new_tokens <= 0:
+            raise ValueError(f"no room to generate: max_tokens={gconfig.max_tokens}, "
+                             f"prompt has {len(req.input_ids)} tokens")
+        params = sampling_params(gconfig, max_new_tokens, self.llm.vocab_size)
+        while self.workflow_executor.is_paused():
+            await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        out = await asyncio.wrap_future(self.llm.submit(list(req.input_ids), params))
+        latency = time.perf_counter() - start
+        stop_reason = "length" if out.finish_reason == "abort" else out.finish_reason
+        return ModelResponse(
+            input_tokens=list(req.input_ids), output_tokens=list(out.token_ids),
+            output_logprobs=list(out.logprobs), output_versions=list(out.versions),
+            stop_reason=stop_reason, tokenizer=req.tokenizer, processor=req.processor,
+            latency=latency, ttft=latency)
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        """Copy ``(name, tensor)`` pairs (compute dtype) into the engine, then tag ``version``."""
+        state = dict(named_tensors)
+        # recompute_running: running sequences go back to prefill (see the module docstring)
+        restarted = self.llm.update_weights(state, version=version, recompute_running=True)
+        self.logger.info("areal-tik engine: weights version %d loaded (%d tensors, %d running "
+                         "sequences re-prefilled)", version, len(state), restarted)
+
+    def update_weights_from_disk(self, meta):
+        raise NotImplementedError("the in-process areal-tik engine receives weights from the actor "
+                                  "(TikFSDPPPOActor.update_weights), not from disk")
+
+    def update_weights_from_distributed(self, meta, param_specs):
+        raise NotImplementedError("the in-process areal-tik engine receives weights from the actor "
+                                  "(TikFSDPPPOActor.update_weights), not over NCCL")
+
+    def init_weights_update_group(self, meta, xccl_group_ranks=None):
+        raise NotImplementedError("the in-process areal-tik engine needs no weight-update group")
+
+    # ------------------------------------------------------------------ control
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        """Hold the engine between two steps: no engine kernel runs inside the block."""
+        self.llm.pause()
+        try:
+            yield
+        finally:
+            self.llm.resume()
+
+    def pause_generation(self):
+        self.llm.pause()
+
+    def continue_generation(self):
+        self.llm.resume()
+
+    def offload(self) -> None:
+        raise NotImplementedError("offloading the in-process areal-tik engine is not supported; "
+                                  "set enable_offload=false and do not colocate by scheduling")
+
+    def onload(self, tags=None) -> None:
+        raise NotImplementedError("onloading the in-process areal-tik engine is not supported")
+
+    def launch_server(self, server_args):
+        raise NotImplementedError("the areal-tik engine runs in process; it launches no server")
+
+    def teardown_server(self):
+        return None
+
+    def export_stats(self) -> dict[str, float]:
+        return stats_tracker.export_all(reduce_group=None)
+
+    def save_perf_tracer(self, step: int | None = None, force: bool = False) -> None:
+        perf_tracer.save(step=step, force=force)
+
+    def config_perf_tracer(self, config, rank: int, role: str) -> None:
+        if not perf_tracer.is_configured():
+            perf_tracer.configure(config, rank=rank, role=role)

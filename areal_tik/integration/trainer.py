@@ -1,0 +1,120 @@
+"""Hooks into AReaL's PPOTrainer and config loading (installed by ``areal_tik.patches``).
+
+- ``wrap_trainer_init``: W&B offline via the environment when the config asks for it,
+  an early error when the in-process engine is asked for outside SPMD mode, and the
+  config-level reuse refusals handed to the actor once it exists.
+- ``wrap_init_rollout``: the in-process areal-tik engine instead of SGLang/vLLM when
+  ``rollout.tik_engine`` resolves to "inprocess" (the eval engine shares its LLM).
+- ``wrap_load_expr_config``: stock scripts asking for ``GRPOConfig``/``PPOConfig`` get
+  the areal-tik subclasses, so the YAML may carry the flag; unknown keys keep raising,
+  with the areal-tik options listed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+from copy import deepcopy
+
+import torch
+from areal.api.cli_args import GRPOConfig, PPOConfig
+from areal.infra.platforms import current_platform
+from areal.utils.environ import is_single_controller
+from omegaconf.errors import ConfigKeyError
+
+from .actor import TikFSDPPPOActor
+from .config import (
+    TikGRPOConfig,
+    TikInferenceEngineConfig,
+    TikPPOActorConfig,
+    TikPPOConfig,
+    engine_mode,
+    reuse_refusals,
+)
+from .inference import TikInferenceEngine
+
+SPMD_HINT = ("run it through `python -m areal_tik.integration.launch <script.py> --config <yaml>` "
+             "(one process; wrap in torchrun for several GPUs), which sets AREAL_SPMD_MODE=1")
+
+
+def _device() -> torch.device:
+    if current_platform.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(current_platform.device_type, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def wrap_trainer_init(original):
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        if isinstance(config, TikPPOConfig):
+            if config.stats_logger.wandb.mode == "offline":
+                os.environ.setdefault("WANDB_MODE", "offline")
+            if engine_mode(config) == "inprocess" and is_single_controller():
+                raise ValueError("the in-process areal-tik rollout engine lives inside the training "
+                                 "processes (AReaL's SPMD mode); " + SPMD_HINT)
+        original(self, config, *args, **kwargs)
+        actor = getattr(self, "actor", None)
+        if isinstance(actor, TikFSDPPPOActor) and actor.tik_flag:
+            reasons = reuse_refusals(config, actor.model_config.vocab_size, include_engine=False)
+            actor.tik_refuse(reasons)
+    return __init__
+
+
+def wrap_init_rollout(original):
+    @functools.wraps(original)
+    def _init_rollout(self, rollout_config, is_eval: bool = False, lora_path=None):
+        if not (isinstance(self.config, TikPPOConfig) and engine_mode(self.config) == "inprocess"):
+            return original(self, rollout_config, is_eval=is_eval, lora_path=lora_path)
+        config = deepcopy(rollout_config)
+        shared = None
+        if is_eval:
+            config.max_head_offpolicyness = int(1e12)  # as AReaL: no staleness control in eval
+            shared = self.rollout.llm
+        actor = self.config.actor
+        engine = TikInferenceEngine(config, llm=shared, model_path=actor.path,
+                                    dtype=getattr(torch, actor.dtype), kernels=actor.tik_kernels,
+                                    device=_device())
+        engine.initialize(engine_id=f"{'eval-' if is_eval else ''}rank{os.environ.get('RANK', '0')}",
+                          train_data_parallel_size=self.actor_alloc.parallel.dp_size)
+        return engine
+    return _init_rollout
+
+
+def tik_config_class(config_cls):
+    """The areal-tik counterpart of a PPO config class (other classes pass through)."""
+    if isinstance(config_cls, type) and issubclass(config_cls, TikPPOConfig):
+        return config_cls
+    if config_cls is GRPOConfig:
+        return TikGRPOConfig
+    if config_cls is PPOConfig:
+        return TikPPOConfig
+    if isinstance(config_cls, type) and issubclass(config_cls, PPOConfig):
+        raise TypeError(
+            f"{config_cls.__name__} subclasses AReaL's PPOConfig; to use the areal-tik options, "
+            "derive it from areal_tik.integration.config.TikGRPOConfig (or TikPPOConfig) instead")
+    return config_cls
+
+
+def _tik_option_names() -> list[str]:
+    names = []
+    for prefix, cls in (("actor", TikPPOActorConfig), ("rollout", TikInferenceEngineConfig)):
+        names += [f"{prefix}.{f.name}" for f in dataclasses.fields(cls)
+                  if f.name == "unified_kernels" or f.name.startswith("tik_")]
+    return names
+
+
+def wrap_load_expr_config(original):
+    @functools.wraps(original)
+    def load_expr_config(argv, config_cls):
+        config_cls = tik_config_class(config_cls)
+        try:
+            return original(argv, config_cls)
+        except ConfigKeyError as exc:
+            key = getattr(exc, "full_key", None) or ""
+            close = difflib.get_close_matches(str(key), _tik_option_names(), n=3)
+            hint = f" Did you mean {close}?" if close else ""
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(f"unknown config key {key!r} for {config_cls.__name__} ({first_line}).{hint} "
+                             f"areal-tik options: {_tik_option_names()}") from exc
+    return load_expr_config

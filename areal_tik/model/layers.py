@@ -1,0 +1,69 @@
+"""The one decoder-layer code path, shared by prefill, decode and the packed training forward.
+
+Every function reads the parameters from the Hugging Face modules when it is called
+(``module.weight`` / ``module.bias``), never from a copy: the same bf16 bits the trainer
+updates, the same tensors autograd and FSDP-style wrappers see.
+
+Residual stream as in Hugging Face: bf16 adds, the sum rounded once to bf16. A layer
+takes ``(delta, residual)``, where ``delta`` is the previous layer's MLP output (None for
+the first layer), and starts with ``add_rms_norm(delta, residual)`` with its OWN input
+norm weight; so each layer touches only its own parameters (a wrapper that gathers a
+layer's parameters around its call, such as FSDP, sees every access inside the call).
+The stack's final ``add_rms_norm`` with the model norm closes the last residual add.
+
+Regime-specific attention is a callable ``attend(q [T, Hq, D], k [T, Hk, D], v) ->
+[T, Hq, D]`` (varlen, store + varlen, or store + paged decode); everything else is the
+same code in every regime.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .spec import ModelSpec
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _proj(ops, module, x):
+    return ops.linear(x, module.weight, module.bias)
+
+
+def _head_norm(ops, norm, x, eps):
+    # RMSNorm over head_dim (Qwen3 q_norm / k_norm): one row per (token, head).
+    return ops.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, eps).view(x.shape)
+
+
+def attention_block(ops, spec: ModelSpec, attn, x, positions, cos, sin, attend: Attend):
+    """Self-attention of normed ``x [T, hidden]``; returns the o_proj output ``[T, hidden]``."""
+    rows = x.shape[0]
+    q = _proj(ops, attn.q_proj, x).view(rows, spec.n_heads, spec.head_dim)
+    k = _proj(ops, attn.k_proj, x).view(rows, spec.n_kv_heads, spec.head_dim)
+    v = _proj(ops, attn.v_proj, x).view(rows, spec.n_kv_heads, spec.head_dim)
+    if spec.qk_norm:
+        q = _head_norm(ops, attn.q_norm, q, spec.eps)
+        k = _head_norm(ops, attn.k_norm, k, spec.eps)
+    q, k = ops.apply_rope(q, k, positions, cos, sin)
+    out = attend(q, k, v)
+    return _proj(ops, attn.o_proj, out.reshape(rows, spec.q_size))
+
+
+def mlp_block(ops, mlp, x):
+    """SwiGLU MLP. gate and up stay two linears over the separate HF weights (concatenating
+    the weights would copy them on every call); their outputs are concatenated into the
+    packed ``[T, 2I]`` input of ``silu_mul``: one activation copy, ~T*4I bytes, small next
+    to the weight reads at decode sizes and next to the matmuls at training sizes."""
+    gate_up = torch.cat([_proj(ops, mlp.gate_proj, x), _proj(ops, mlp.up_proj, x)], dim=-1)
+    return _proj(ops, mlp.down_proj, ops.silu_mul(gate_up))
+
+
+def decoder_layer(ops, spec: ModelSpec, layer, delta, residual, positions, cos, sin, attend: Attend):
+    """One decoder layer: ``(delta, residual) -> (mlp_out, residual)``, HF semantics."""
+    if delta is None:
+        normed = ops.rms_norm(residual, layer.input_layernorm.weight, spec.eps)
+    else:
+        normed, residual = ops.add_rms_norm(delta, residual, layer.input_layernorm.weight, spec.eps)
+    attn_out = attention_block(ops, spec, layer.self_attn, normed, positions, cos, sin, attend)
+    normed, residual = ops.add_rms_norm(attn_out, residual, layer.post_attention_layernorm.weight, spec.eps)
+    return mlp_block(ops, layer.mlp, normed), residual

@@ -1,0 +1,252 @@
+"""Op backends for the unified model: ``get_ops("unified")`` or ``get_ops("standard")``.
+
+Both expose the functional API of ``areal_tik.unified_kernels`` under the same names and
+signatures (``OP_NAMES``), so one model code path runs either:
+
+- ``"unified"``: the Triton kernels of ``areal_tik.unified_kernels``, resolved lazily op
+  by op. An op whose kernel module does not exist (yet) raises ``KernelUnavailableError``
+  when first used; nothing is ever substituted silently.
+- ``"standard"``: what stock Hugging Face / AReaL stacks run, in pure torch (runs on CPU
+  without Triton): ``F.linear``, the HF-style eager RMSNorm / rope / SiLU, SDPA attention
+  (packed varlen by a loop over sequences, decode by gathering the paged K/V) and a
+  materialised ``log_softmax`` for log-probs. It is the baseline of the benchmarks and
+  is NOT batch invariant.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+
+from areal_tik.unified_kernels import reference
+
+OP_NAMES = (
+    "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
+    "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
+    "attention_varlen", "store_kv_cache", "attention_decode",
+)
+KINDS = ("unified", "standard")
+_KERNEL_PACKAGE = "areal_tik.unified_kernels"
+
+
+class KernelUnavailableError(NotImplementedError):
+    """A unified op was requested whose Triton kernel is not in areal_tik.unified_kernels."""
+
+
+# --------------------------------------------------------------------------- unified
+
+
+def _resolve_unified(name: str):
+    try:
+        package = importlib.import_module(_KERNEL_PACKAGE)
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith(_KERNEL_PACKAGE + "."):
+            raise  # a third-party import is missing: not a kernel still being written
+        raise KernelUnavailableError(
+            f"unified op {name!r} is not available: {exc.name} does not exist") from exc
+    fn = getattr(package, name, None)
+    if not callable(fn) or isinstance(fn, types.ModuleType):
+        raise KernelUnavailableError(
+            f"unified op {name!r} is not available: {_KERNEL_PACKAGE} has no function {name!r}")
+    return fn
+
+
+class UnifiedOps:
+    """The Triton kernels; each op is imported on first use and then cached."""
+
+    kind = "unified"
+
+    def __getattr__(self, name: str):
+        if name not in OP_NAMES:
+            raise AttributeError(f"{type(self).__name__} has no op {name!r}; ops: {OP_NAMES}")
+        fn = _resolve_unified(name)
+        setattr(self, name, fn)
+        return fn
+
+    def __repr__(self):
+        return "UnifiedOps()"
+
+
+# --------------------------------------------------------------------------- standard
+
+
+def _std_linear(x, weight, bias=None):
+    return F.linear(x, weight, bias)
+
+
+def _std_rms_norm(x, weight, eps):
+    return reference.rms_norm(x, weight, eps, compute=None)
+
+
+def _std_add_rms_norm(x, residual, weight, eps):
+    return reference.add_rms_norm(x, residual, weight, eps, compute=None)
+
+
+def _inv_freq_fp32(head_dim, base, scaling):
+    # As transformers computes it: fp32 throughout (reference.rope_inv_freq is the fp64 oracle).
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return inv
+    factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > orig / low, inv / factor, inv)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < orig / high) & ~(wavelen > orig / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _std_rope_cos_sin(max_positions, head_dim, base, scaling=None, device=None):
+    """fp32 ``[max_positions, head_dim // 2]`` tables, as HF's rotary embedding computes them."""
+    inv = _inv_freq_fp32(head_dim, float(base), scaling).to(device)
+    pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = pos[:, None] * inv[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def _rotate(x, c, s):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * c + rotated * s
+
+
+def _std_apply_rope(q, k, positions, cos, sin):
+    # HF: cos/sin rounded to the activation dtype, then q*cos + rotate_half(q)*sin in it.
+    c = cos[positions.long()].to(q.dtype)
+    s = sin[positions.long()].to(q.dtype)
+    c = torch.cat([c, c], dim=-1)[:, None, :]
+    s = torch.cat([s, s], dim=-1)[:, None, :]
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _std_silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _std_token_logprobs(hidden, weight, targets, temperature=1.0, return_entropy=False):
+    return reference.token_logprobs(hidden, weight, targets, temperature, return_entropy, compute=None)
+
+
+def _std_lm_head_logits_lse(hidden, weight, temperature=1.0):
+    logits = F.linear(hidden, weight)
+    return logits, torch.logsumexp(logits.float() / temperature, dim=-1)
+
+
+def _std_gather_logprobs(logits, lse, targets, temperature=1.0):
+    picked = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return picked.float() / temperature - lse
+
+
+def _std_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None):
+    """SDPA per sequence (host loop over cu_seqlens); rows past cu_seqlens[-1] are zeros."""
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
+                is_causal=True, scale=softmax_scale, enable_gqa=True)
+            out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _std_store_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Write k/v ``[T, Hk, D]`` into flat slots of ``[num_blocks, block_size, Hk, D]`` caches;
+    slot -1 skips a row (padding), as the unified kernel does.
+
+    Without a host sync (CUDA-graph capturable): skipped rows are redirected to a slot
+    that is written anyway (the first valid row's, with that row's values; or slot 0 with
+    its own current bits when no row is valid), so duplicate writes carry identical bits.
+    """
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    # First valid row (0 when there is none), as a 1-element index tensor: indexing with a
+    # 0-d device tensor would read it on the host, which CUDA-graph capture forbids.
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    first = torch.where(valid, rows, slots.shape[0]).amin().clamp_max(slots.shape[0] - 1).view(1)
+    spare = slots.index_select(0, first).clamp_min(0)
+    target = torch.where(valid, slots, spare)
+    first_valid = valid.index_select(0, first).view(1, 1, 1)
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        flat = cache.view(-1, *cache.shape[2:])
+        fill = torch.where(first_valid, new.index_select(0, first), flat.index_select(0, spare))
+        flat.index_copy_(0, target, torch.where(valid[:, None, None], new, fill))
+
+
+def _std_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None):
+    """Gather each sequence's paged K/V into a contiguous ``[B, L, Hk, D]`` and call SDPA.
+
+    Static shapes only (L = blocks per table x block_size), so it is CUDA-graph capturable;
+    slots past the context are zeroed (they may hold garbage) and masked out.
+    """
+    batch, n_blocks = block_tables.shape
+    tables = block_tables.long().clamp(0, k_cache.shape[0] - 1)
+    length = n_blocks * k_cache.shape[1]
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens.long()[:, None]  # [B, L]
+    keep = valid[:, :, None, None]
+    k = torch.where(keep, k_cache[tables].reshape(batch, length, *k_cache.shape[2:]), 0)
+    v = torch.where(keep, v_cache[tables].reshape(batch, length, *v_cache.shape[2:]), 0)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=softmax_scale, enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+_STANDARD = {
+    "linear": _std_linear,
+    "rms_norm": _std_rms_norm,
+    "add_rms_norm": _std_add_rms_norm,
+    "rope_cos_sin": _std_rope_cos_sin,
+    "apply_rope": _std_apply_rope,
+    "silu_mul": _std_silu_mul,
+    "token_logprobs": _std_token_logprobs,
+    "lm_head_logits_lse": _std_lm_head_logits_lse,
+    "gather_logprobs": _std_gather_logprobs,
+    "attention_varlen": _std_attention_varlen,
+    "store_kv_cache": _std_store_kv_cache,
+    "attention_decode": _std_attention_decode,
+}
+assert set(_STANDARD) == set(OP_NAMES)
+
+
+def _standard_ops():
+    return types.SimpleNamespace(kind="standard", **_STANDARD)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def get_ops(kind="unified"):
+    """The op backend ``kind`` ("unified" or "standard"), or ``kind`` itself if it is one.
+
+    A custom backend is any object with a ``kind`` string and every name in OP_NAMES.
+    """
+    if isinstance(kind, str):
+        if kind == "unified":
+            return UnifiedOps()
+        if kind == "standard":
+            return _standard_ops()
+        raise ValueError(f"kernels must be one of {KINDS} or an ops object, got {kind!r}")
+    if isinstance(kind, UnifiedOps):
+        return kind
+    missing = [n for n in (*OP_NAMES, "kind") if n not in dir(kind)]
+    if missing:
+        raise TypeError(f"ops object {kind!r} lacks {missing}")
+    return kind
+
+
+def missing_ops(kind="unified", names=OP_NAMES) -> list[str]:
+    """The ops of ``names`` that backend ``kind`` cannot provide right now (tests skip on them)."""
+    ops = get_ops(kind)
+    missing = []
+    for name in names:
+        try:
+            getattr(ops, name)
+        except KernelUnavailableError:
+            missing.append(name)
+    return missing

@@ -1,0 +1,522 @@
+"""Attention forward kernels: ONE numerical core shared by prefill/training and paged decode.
+
+Numerics (identical in every regime, which is what makes a row's bits regime-invariant):
+a query row at position p walks the KV tiles 0, 1, 2, ... of a fixed ``BLOCK_N`` anchored
+at position 0 up to its causal limit p + 1, grouped in splits of ``kv_split`` positions
+(split s covers tiles [s * TPS, (s + 1) * TPS), TPS = kv_split // BLOCK_N). Inside a split
+the online softmax starts fresh (m = -inf, l = 0, acc = 0) and updates per tile with
+``_softmax_tile``:
+    s     = q @ k^T                        (fp32 accumulate, tl.dot)
+    s     = where(pos < limit, s, -inf)    (causal / context mask; exact identity elsewhere)
+    m'    = max(m, rowmax(s) * qk_scale)   (qk_scale = softmax_scale * log2(e))
+    p     = exp2(fma(s, qk_scale, -m'))
+    alpha = 1 if m' == m else exp2(m - m')
+    l'    = fma(l, alpha, rowsum(p))
+    acc'  = dot(p.to(v.dtype), v, acc * alpha)
+The split results are folded in split order by ``_merge`` starting from the empty state
+(M = -inf, L = 0, O = 0), and the row's output is ``O / L`` (IEEE division) rounded once.
+Prefill/training does the whole fold inside one program; decode runs one program per
+split (partials stored exactly in fp32) and the same fold in ``_decode_combine_kernel``,
+or in the same program when a single split covers the block table.
+
+Why the bits match: the tile shape [BLOCK_M, BLOCK_N] x D, num_warps and the dtype fix the
+MMA instruction and the register layout, hence the order of the in-tile reductions; both
+entry points use the same config. Tiles past a row's limit inside a program's loop are
+exact no-ops (p = 0, alpha = 1); tiles every row of a program sees whole skip the mask
+(it would select s everywhere); masked loads read zeros for K and V, so garbage or NaN in
+unused cache slots never reaches a result. Rows are independent in every step, so which
+other rows share a tile (prefill: BLOCK_M consecutive positions of one head; decode: the
+query heads of one KV-head group, padded) does not matter. FMA contraction is disabled
+(``enable_fp_fusion=False``) so the compiler cannot fuse a mul/add pair in one kernel and
+not in another; the two fusions the core wants are written as explicit ``tl.fma``.
+Compiled for sm_90a, the prefill and decode kernels carry the same wgmma shapes and the
+same counts of ex2 / fma / max / shuffle instructions (``eval/probe_attention.py --aot
+--check``, run by the CPU test suite).
+
+Under the Triton interpreter (CPU tests) the dots are broadcast-multiply + sum in fp32
+(numpy's BLAS matmul changes a row's summation order with its row index) and bf16 casts
+use the round-to-nearest-even emulation of ``_rounding.cast_rne``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+from ._rounding import cast_rne
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """Forward tiling. block_m, block_n, num_warps and kv_split fix the numerics and are
+    shared by prefill/training and decode; the other fields change scheduling only.
+
+    ``prefill_subtiles`` = s makes a bf16 prefill program cover s x block_m rows with
+    s x num_warps warps: every warp still owns block_m / num_warps rows and issues the
+    same MMA shapes and per-row instructions as a decode program (rows never interact),
+    so the bits are those of s programs of block_m rows. fp32 inputs (FMA dots with
+    blocked layouts, where that argument does not hold) always use one sub-tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    kv_split: int  # positions per split, a power-of-two multiple of block_n
+    stages_prefill: int = 3
+    stages_decode: int = 3
+    # Run the tiles every row sees whole in a loop without masks (bits are the same
+    # either way: the mask selects s everywhere there; tests check it).
+    unmasked_loop: bool = True
+    prefill_subtiles: int = 1
+
+    def __post_init__(self):
+        tiles = self.kv_split // self.block_n
+        if self.kv_split % self.block_n or tiles < 1 or tiles & (tiles - 1):
+            raise ValueError(f"kv_split must be a power-of-two multiple of block_n, got {self}")
+        sub = self.prefill_subtiles
+        if sub < 1 or sub & (sub - 1):
+            raise ValueError(f"prefill_subtiles must be a power of two >= 1, got {self}")
+
+
+# H200 choice (bf16, D = 128). Numerics: 64 x 64 tiles with one warpgroup (wgmma m64):
+# decode packs only the Hq/Hk query heads of a group into the 64 rows, so a larger
+# BLOCK_M would double its wasted MMA work (at 128 rows decode turns compute-bound and
+# measured 1.3-2x slower). kv_split = 1024: decode gets B x Hk x ceil(ctx / 1024)
+# programs (B1 x 8K: 64 before head chunking, 4x what 2048 gave... 2x), prefill restarts
+# its online softmax every 16 tiles. Scheduling: prefill runs 2 sub-tiles per program
+# (128 rows, 8 warps: measured 397 / 465 TFLOP/s at 4K / 16K vs 365 / 409 with 64 rows),
+# 3 stages (4 stages measured 230 TFLOP/s at 64 rows). eval/probe_attention.py times the
+# alternatives in CUDA graphs (kv_split 512 / 1024 / 2048, sub-tiles, stages, flatten)
+# and checks each for prefill == decode bits; change this line from its table.
+GPU_CONFIG = FwdConfig(block_m=64, block_n=64, num_warps=4, kv_split=1024, stages_prefill=3,
+                       stages_decode=3, prefill_subtiles=2)
+# Interpreter: tiny tiles and a short split, so CPU tests cross several tiles and splits
+# (and prefill runs 2 sub-tiles like the GPU default).
+INTERP_CONFIG = FwdConfig(block_m=16, block_n=16, num_warps=4, kv_split=32, stages_prefill=1,
+                          stages_decode=1, prefill_subtiles=2)
+
+
+# Triton decides interpreter vs GPU when a kernel is decorated (at import), so reading
+# the switch once here is exact, and saves an environment lookup per launch.
+EMULATE = interpreting()
+
+
+def default_config() -> FwdConfig:
+    return INTERP_CONFIG if EMULATE else GPU_CONFIG
+
+
+def cdiv(a: int, b: int) -> int:
+    # Host-side ceil division (``triton.cdiv`` is a jit function: ~7 us per host call).
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- core
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [M, N] fp32 + a [M, K] @ b [K, N]; ``acc=None`` starts from zero."""
+    if DOT_FP32:
+        # Interpreter: fixed, row-independent summation order (sequential over K).
+        prod = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        if acc is None:
+            return prod
+        else:
+            return acc + prod
+    else:
+        if acc is None:
+            return tl.dot(a, b, input_precision=PRECISION)
+        else:
+            return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _softmax_tile(q, kT, v, pos, limit, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step: q [BM, D], kT [D, BN], v [BN, D], pos [BN], limit [BM].
+    MASKED=False is for tiles every row sees whole (the mask would select s everywhere)."""
+    s = _dot(q, kT, None, DOT_FP32, PRECISION)
+    if MASKED:
+        s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    # tl.fma does not broadcast: give it full [BM, BN] operands.
+    scale = tl.full([BLOCK_M, BLOCK_N], qk_scale, tl.float32)
+    p = tl.math.exp2(tl.fma(s, scale, tl.broadcast_to(-m_new[:, None], [BLOCK_M, BLOCK_N])))
+    alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
+    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
+    acc = acc * alpha[:, None]
+    acc = _dot(cast_rne(p, v.dtype, DOT_FP32), v, acc, DOT_FP32, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base, v_base, tiles, ids,
+             block_size, stride_k_pos, stride_v_pos, stride_k_blk, stride_v_blk,
+             MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+             DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Load KV tile t (positions t * BLOCK_N + [0, BLOCK_N)) and apply one softmax step."""
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    start = t * BLOCK_N
+    if PAGED:
+        # block_size is a multiple of BLOCK_N, so a tile lies inside one cache block.
+        blk = tl.sum(tl.where(tiles == t, ids, 0), axis=0).to(tl.int64)
+        slot = tl.cast(start % block_size, tl.int64)
+        k_tile = k_base + blk * stride_k_blk + slot * stride_k_pos
+        v_tile = v_base + blk * stride_v_blk + slot * stride_v_pos
+    else:
+        k_tile = k_base + tl.cast(start, tl.int64) * stride_k_pos
+        v_tile = v_base + tl.cast(start, tl.int64) * stride_v_pos
+    # In-tile offsets are small int32; the tile base above is an int64 scalar.
+    k_ptrs = k_tile + n[None, :] * stride_k_pos + d[:, None]  # [D, BN]
+    v_ptrs = v_tile + n[:, None] * stride_v_pos + d[None, :]  # [BN, D]
+    pos = start + n
+    if MASKED:  # positions past n_valid read zeros: cache garbage / NaN never enters a dot
+        valid = pos < n_valid
+        kT = tl.load(k_ptrs, mask=valid[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        kT = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return _softmax_tile(q, kT, v, pos, limit, m_i, l_i, acc, qk_scale, MASKED,
+                         BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
+
+
+@triton.jit
+def _attn_split(q, limit, tile_lo, tile_full, tile_hi, n_valid, qk_scale,
+                k_base, v_base,  # K/V of this sequence and KV head (paged: of block 0, slot 0)
+                table_ptr,  # [max_blocks] int32 block ids of this sequence (PAGED only)
+                block_size, stride_k_pos, stride_v_pos, stride_k_blk, stride_v_blk,
+                PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr,
+                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Fresh online softmax over KV tiles [tile_lo, tile_hi); returns (m, l, acc). With
+    UNMASKED_LOOP, tiles below tile_full (whole for every row) skip the masks."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if PAGED:
+        # The split's block ids, read once: with the table read inside the loop the K/V
+        # loads become indirect and the pipeliner keeps only 2 buffers whatever num_stages
+        # says (80 KiB of shared memory at 2, 3 or 4 stages on sm_90, D=128).
+        tiles = tile_lo + tl.arange(0, TILES_PER_SPLIT)
+        ids = tl.load(table_ptr + (tiles * BLOCK_N) // block_size, mask=tiles < tile_hi, other=0)
+    else:
+        tiles = 0
+        ids = 0
+    mid = tile_lo
+    if UNMASKED_LOOP:
+        mid = tl.minimum(tl.maximum(tile_full, tile_lo), tile_hi)
+        for t in range(tile_lo, mid):
+            m_i, l_i, acc = _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base,
+                                     v_base, tiles, ids, block_size, stride_k_pos, stride_v_pos,
+                                     stride_k_blk, stride_v_blk, False, PAGED, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM, DOT_FP32, PRECISION)
+    for t in range(mid, tile_hi):
+        m_i, l_i, acc = _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base, v_base,
+                                 tiles, ids, block_size, stride_k_pos, stride_v_pos,
+                                 stride_k_blk, stride_v_blk, True, PAGED, BLOCK_M, BLOCK_N,
+                                 HEAD_DIM, DOT_FP32, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attn_whole_split(q, limit, tile_lo, qk_scale, k_base, v_base, stride_k_pos, stride_v_pos,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      TILES_PER_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """``_attn_split`` for a contiguous split whose tiles every row sees whole: the same
+    unmasked steps with a constant trip count (no per-split bounds or empty masked loop).
+    Asking Triton to fuse the loop over such splits (``tl.range(flatten=True)``) was
+    tried: ptxas then serializes the wgmma pipeline (C7515) and spills twice as much."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for j in range(0, TILES_PER_SPLIT):
+        m_i, l_i, acc = _kv_step(tile_lo + j, q, limit, 0, m_i, l_i, acc, qk_scale, k_base, v_base,
+                                 0, 0, 1, stride_k_pos, stride_v_pos, 0, 0, False, False,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_FP32, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge(M, L, O, m, l, acc):
+    """Fold one split's (m, l, acc) into the running (M, L, O); exact no-op for an empty split."""
+    M_new = tl.maximum(M, m)
+    a = tl.where(M == M_new, 1.0, tl.math.exp2(M - M_new))
+    b = tl.where(m == M_new, 1.0, tl.math.exp2(m - M_new))
+    L = L * a + l * b
+    O = O * a[:, None] + acc * b[:, None]
+    return M_new, L, O
+
+
+@triton.jit
+def _finalize(O, L):
+    """O / L with IEEE division; rows with L == 0 (no context) give zeros."""
+    den = tl.broadcast_to(L[:, None], O.shape)  # div_rn does not broadcast
+    return tl.where(den > 0, tl.math.div_rn(O, den), 0.0)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _prefill_fwd_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr, v_ptr,  # [T, Hk, D]
+    out_ptr,  # [T, Hq, D]
+    lse_ptr,  # [Hq, T] fp32, log2 units (written when STORE_LSE)
+    cu_ptr,  # [S + 1] int32
+    qk_scale, num_q_heads, group, num_seqs, num_rows,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lse_h,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr, STORE_LSE: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Grid (Hq * (S + 1), cdiv(max_seqlen, BLOCK_M)): heads vary fastest so GQA siblings
+    # share K/V in L2, and the M tiles run longest-first (causal work grows with the tile
+    # index). The extra sequence slot S writes zeros to the padding rows [cu[S], T).
+    head = tl.program_id(0) % num_q_heads
+    seq = tl.program_id(0) // num_q_heads
+    tile_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    if seq == num_seqs:
+        step = tl.num_programs(1) * BLOCK_M
+        for r0 in range(tl.load(cu_ptr + num_seqs) + tile_m * BLOCK_M, num_rows, step):
+            pad = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+            tl.store(out_ptr + pad[:, None] * stride_ot + head * stride_oh + d[None, :],
+                     tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty),
+                     mask=(pad < num_rows)[:, None])
+        return
+    start = tl.load(cu_ptr + seq)
+    seqlen = tl.load(cu_ptr + seq + 1) - start
+    q0 = tile_m * BLOCK_M
+    if q0 >= seqlen:
+        return
+    rows = q0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < seqlen
+    row_t = (start + rows).to(tl.int64)
+    q = tl.load(q_ptr + row_t[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    limit = tl.minimum(rows + 1, seqlen)  # padding rows of the tile see the whole sequence
+    kvh = (head // group).to(tl.int64)
+    k_base = k_ptr + start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = v_ptr + start.to(tl.int64) * stride_vt + kvh * stride_vh
+    n_tiles = tl.cdiv(tl.minimum(q0 + BLOCK_M, seqlen), BLOCK_N)
+    tile_full = (q0 + 1) // BLOCK_N  # tiles below this one are whole for every row here
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    O = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Splits 0, 1, ... in order, each a fresh online softmax folded into (M, L, O): first
+    # the splits made only of whole tiles, then the rest (the diagonal) with masks.
+    first = 0
+    if UNMASKED_LOOP:
+        first = tile_full // TILES_PER_SPLIT
+        for sp in range(0, first):
+            m, l, acc = _attn_whole_split(q, limit, sp * TILES_PER_SPLIT, qk_scale, k_base, v_base,
+                                          stride_kt, stride_vt, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                          TILES_PER_SPLIT, DOT_FP32, PRECISION)
+            M, L, O = _merge(M, L, O, m, l, acc)
+    for sp in range(first, tl.cdiv(n_tiles, TILES_PER_SPLIT)):
+        lo = sp * TILES_PER_SPLIT
+        hi = tl.minimum(lo + TILES_PER_SPLIT, n_tiles)
+        m, l, acc = _attn_split(q, limit, lo, tile_full, hi, seqlen, qk_scale,
+                                k_base, v_base, cu_ptr,
+                                1, stride_kt, stride_vt, 0, 0,
+                                False, BLOCK_M, BLOCK_N, HEAD_DIM, TILES_PER_SPLIT, UNMASKED_LOOP,
+                                DOT_FP32, PRECISION)
+        M, L, O = _merge(M, L, O, m, l, acc)
+    out = cast_rne(_finalize(O, L), out_ptr.dtype.element_ty, DOT_FP32)
+    tl.store(out_ptr + row_t[:, None] * stride_ot + head * stride_oh + d[None, :], out,
+             mask=row_ok[:, None])
+    if STORE_LSE:
+        tl.store(lse_ptr + head * stride_lse_h + start + rows, M + tl.math.log2(L), mask=row_ok)
+
+
+@triton.jit
+def _decode_fwd_kernel(
+    q_ptr,  # [B, Hq, D]
+    kc_ptr, vc_ptr,  # [num_blocks, block_size, Hk, D]
+    table_ptr,  # [B, max_blocks] int32
+    ctx_ptr,  # [B] int32
+    out_ptr,  # [B, Hq, D] (written when DIRECT)
+    part_ptr,  # fp32 [P * D] o partials then [P, 2] (m, l); P = B * Hq * num_splits (unless DIRECT)
+    qk_scale, num_q_heads, group, rows_per_prog, block_size, num_splits,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_tb, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Grid (num_splits, Hk * chunks, B), all from static shapes (num_splits from the block
+    # table's width): one program per (split, KV head, chunk of its query heads,
+    # sequence). The chunking only spreads small batches over more SMs; each row's
+    # arithmetic is the same whichever rows share its tile.
+    sp = tl.program_id(0)
+    chunks = tl.cdiv(group, rows_per_prog)
+    kvh = tl.program_id(1) // chunks
+    chunk = tl.program_id(1) % chunks
+    b = tl.program_id(2).to(tl.int64)
+    ctx = tl.load(ctx_ptr + b)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    lo = sp * TILES_PER_SPLIT
+    if (sp > 0) & (lo >= n_tiles):
+        return  # split past this sequence's context (split 0 always runs: ctx 0 -> zeros)
+    r = tl.arange(0, BLOCK_M)
+    gi = chunk * rows_per_prog + r  # index inside the KV-head group
+    row_ok = (r < rows_per_prog) & (gi < group)
+    head = kvh * group + gi
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    limit = tl.zeros([BLOCK_M], tl.int32) + ctx
+    k_base = kc_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = vc_ptr + kvh.to(tl.int64) * stride_vh
+    hi = tl.minimum(lo + TILES_PER_SPLIT, n_tiles)
+    m, l, acc = _attn_split(q, limit, lo, ctx // BLOCK_N, hi, ctx, qk_scale, k_base, v_base,
+                            table_ptr + b * stride_tb, block_size, stride_ks, stride_vs,
+                            stride_kb, stride_vb,
+                            True, BLOCK_M, BLOCK_N, HEAD_DIM, TILES_PER_SPLIT, UNMASKED_LOOP,
+                            DOT_FP32, PRECISION)
+    if DIRECT:
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        O = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        M, L, O = _merge(M, L, O, m, l, acc)
+        out = cast_rne(_finalize(O, L), out_ptr.dtype.element_ty, DOT_FP32)
+        tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :], out,
+                 mask=row_ok[:, None])
+    else:
+        # Partials stored exactly (fp32), partial index (b, head, split).
+        part = (b * num_q_heads + head) * num_splits + sp
+        ml_ptr = part_ptr + tl.num_programs(2).to(tl.int64) * num_q_heads * num_splits * HEAD_DIM
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_ptr + 2 * part, m, mask=row_ok)
+        tl.store(ml_ptr + 2 * part + 1, l, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_ptr,  # fp32 [P * D] o partials then [P, 2] (m, l); P = B * Hq * num_splits
+    ctx_ptr,  # [B] int32
+    out_ptr,  # [B, Hq, D]
+    num_q_heads, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    # Grid (B, cdiv(Hq, BLOCK_H)): the fold of _merge over splits 0, 1, ... in order,
+    # exactly as the prefill program does it in registers.
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_q_heads
+    d = tl.arange(0, HEAD_DIM)
+    ctx = tl.load(ctx_ptr + b)
+    ml_ptr = part_ptr + tl.num_programs(0).to(tl.int64) * num_q_heads * num_splits * HEAD_DIM
+    M = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_H], tl.float32)
+    O = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    base = (b * num_q_heads + h) * num_splits
+    for sp in range(0, tl.maximum(tl.cdiv(ctx, SPLIT), 1)):
+        m = tl.load(ml_ptr + 2 * (base + sp), mask=h_ok, other=0.0)
+        l = tl.load(ml_ptr + 2 * (base + sp) + 1, mask=h_ok, other=0.0)
+        acc = tl.load(part_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :],
+                      mask=h_ok[:, None], other=0.0)
+        M, L, O = _merge(M, L, O, m, l, acc)
+    out = cast_rne(_finalize(O, L), out_ptr.dtype.element_ty, EMULATE)
+    tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + d[None, :], out, mask=h_ok[:, None])
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 FMAs (never TF32); bf16 goes to the tensor cores.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small, so CPU tests also exercise the head-chunked decode
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def prefill_tiling(config: FwdConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(rows, warps) of a prefill program: ``prefill_subtiles`` sub-tiles for bf16."""
+    sub = config.prefill_subtiles if dtype != torch.float32 else 1
+    return config.block_m * sub, config.num_warps * sub
+
+
+def launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax_scale,
+                   config: FwdConfig):
+    """Causal varlen forward into ``out`` [T, Hq, D] (rows past the last sequence get
+    zeros); also the log2-domain LSE [Hq, T] when ``lse`` is given (training).
+    One launch; the grid comes from shapes and the int ``max_seqlen``, no host reads."""
+    T, hq, dim = q.shape
+    store_lse = lse is not None
+    block_m, warps = prefill_tiling(config, q.dtype)
+    _prefill_fwd_kernel[(hq * (num_seqs + 1), max(1, cdiv(max_seqlen, block_m)))](
+        q, k, v, out, lse if store_lse else out, cu_seqlens,
+        softmax_scale * LOG2E, hq, hq // k.shape[1], num_seqs, T,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0) if store_lse else 0,
+        HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        TILES_PER_SPLIT=config.kv_split // config.block_n, UNMASKED_LOOP=config.unmasked_loop,
+        STORE_LSE=store_lse,
+        DOT_FP32=EMULATE, PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=config.stages_prefill, enable_fp_fusion=False,
+    )
+
+
+def _decode_rows_per_program(batch, hk, group, num_splits, block_m, num_sms):
+    """Query heads per decode program: the whole group, halved while the grid has fewer
+    than two programs per SM (geometry only: rows never interact)."""
+    rows = min(group, block_m)
+    while rows > 1 and batch * hk * num_splits * cdiv(group, rows) < 2 * num_sms:
+        rows = cdiv(rows, 2)
+    return rows
+
+
+def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, softmax_scale,
+                  config: FwdConfig):
+    """Paged decode into ``out`` [B, Hq, D]. The grid and the split count come from static
+    shapes (B, heads, the block table's width), never from tensor values: no host reads,
+    CUDA-graph capturable. One launch when the table covers one KV split, else two (split
+    programs, then the in-order combine) and one fp32 workspace allocation."""
+    B, hq, dim = q.shape
+    _, block_size, hk, _ = k_cache.shape
+    group = hq // hk
+    num_splits = max(1, cdiv(block_tables.shape[1] * block_size, config.kv_split))
+    direct = num_splits == 1
+    rows = _decode_rows_per_program(B, hk, group, num_splits, config.block_m, _sm_count(q.device))
+    part = out if direct else torch.empty(B * hq * num_splits * (dim + 2), dtype=torch.float32,
+                                          device=q.device)
+    _decode_fwd_kernel[(num_splits, hk * cdiv(group, rows), B)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part,
+        softmax_scale * LOG2E, hq, group, rows, block_size, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        TILES_PER_SPLIT=config.kv_split // config.block_n, UNMASKED_LOOP=config.unmasked_loop,
+        DIRECT=direct, DOT_FP32=EMULATE, PRECISION=_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.stages_decode, enable_fp_fusion=False,
+    )
+    if not direct:
+        block_h = min(16, triton.next_power_of_2(hq))
+        _decode_combine_kernel[(B, cdiv(hq, block_h))](
+            part, context_lens, out, hq, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, BLOCK_H=block_h, SPLIT=config.kv_split, EMULATE=EMULATE,
+            num_warps=4, enable_fp_fusion=False,
+        )

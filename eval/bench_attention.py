@@ -1,0 +1,268 @@
+"""Benchmark: unified attention vs torch SDPA (cuDNN, flash, efficient), side by side.
+
+Usage (GPU, repo root):
+    python3 eval/bench_attention.py [--quick] [--out DIR_OR_CSV] [--block-size 64]
+
+Shapes are Qwen3-style: 32 query / 8 KV heads, D = 128, bf16, causal.
+- prefill / training forward: one sequence of 1K, 4K, 16K tokens and 8 packed x 2K;
+  SDPA gets [B, H, L, D] tensors (the packed case as a batch of 8) with GQA through
+  ``enable_gqa`` (or K/V repeated beforehand where a backend refuses it). TFLOP/s counts
+  the causal half: 2 * 2 * L^2 * D * H / 2 per sequence.
+- decode: (batch, context) in (1, 8192), (16, 4096), (64, 4096), (64, 128), (1, 128), ours
+  on a paged cache, SDPA on a contiguous cache (q [B, H, 1, D]); TB/s of K+V read and its
+  fraction of the measured 4.26 TB/s.
+- backward (training): dq, dk, dv at 1K and 4K; TFLOP/s with 2.5x the forward flops.
+Our calls pass ``validate=False`` (no host read of cu_seqlens / context_lens), as a
+per-layer caller does once its batch is validated. Times are ``do_bench`` medians (L2
+cleared before each call). Writes a long-format CSV (device, versions, commit, date).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from areal_tik.unified_kernels import _attention_bwd, _attention_fwd  # noqa: E402
+from areal_tik.unified_kernels.attention import (  # noqa: E402
+    attention_decode, attention_varlen, store_kv_cache)
+
+PEAK_TFLOPS = 790.0  # measured bf16 dense matmul on the H200
+PEAK_TBPS = 4.26  # measured device copy (read + write)
+HQ, HK, DIM = 32, 8, 128
+DEVICE = "cuda"
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+PREFILL = (("1K", [1024]), ("4K", [4096]), ("16K", [16384]), ("8x2K", [2048] * 8))
+DECODE = ((1, 8192), (16, 4096), (64, 4096), (64, 128), (1, 128))
+BACKWARD = (("1K", [1024]), ("4K", [4096]))
+QUICK_PREFILL, QUICK_DECODE, QUICK_BACKWARD = PREFILL[1:2], DECODE[:2], BACKWARD[:1]
+
+
+def run_info() -> dict:
+    commit = os.environ.get("AREAL_TIK_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                                    capture_output=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def timed(fn, rep_ms) -> tuple[float, float, float]:
+    """(median, p20, p80) in microseconds."""
+    med, p20, p80 = do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return med * 1e3, p20 * 1e3, p80 * 1e3
+
+
+def _randn(*shape, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(*shape, device=DEVICE, generator=g).bfloat16()
+
+
+def _sdpa_variants(q, k, v, causal):
+    """{backend: (fn, gqa_mode)} for each SDPA backend that accepts the inputs."""
+    f = torch.nn.functional.scaled_dot_product_attention
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    variants = {}
+    for name, backend in BACKENDS.items():
+        for mode, (kk, vv, kw) in (("enable_gqa", (k, v, {"enable_gqa": True})), ("repeat", (kr, vr, {}))):
+            fn = (lambda kk=kk, vv=vv, kw=kw: f(q, kk, vv, is_causal=causal, **kw))
+            try:
+                with sdpa_kernel([backend]):
+                    fn()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()  # surface asynchronous launch errors here
+            except RuntimeError:
+                continue
+            variants[name] = (fn, mode)
+            break
+    return variants
+
+
+def _time_sdpa(variants, rep_ms):
+    out = {}
+    for name, (fn, mode) in variants.items():
+        with sdpa_kernel([BACKENDS[name]]):
+            out[name] = (timed(fn, rep_ms), mode)
+    return out
+
+
+def _check_close(ours, variants, what) -> None:
+    for fn, _ in variants.values():
+        ref = fn().float()
+        err = ((ours.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"{what}: unified vs SDPA rel err {err:.3g}"
+        return
+
+
+def _row(kind, case, impl, us, info, **extra) -> dict:
+    return {"op": "attention", "kind": kind, "case": case, "impl": impl, "us": round(us[0], 3),
+            "us_p20": round(us[1], 3), "us_p80": round(us[2], 3),
+            **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in extra.items()}, **info}
+
+
+def _ratio_rows(kind, case, ours_us, sdpa, work, unit, info, config):
+    """Rows for ours and every SDPA backend; ratios are SDPA time / ours (> 1: ours faster)."""
+    best = min((t[0][0] for t in sdpa.values()), default=float("nan"))
+    flash = sdpa["flash"][0][0] if "flash" in sdpa else float("nan")
+    rate = lambda us: work / us * 1e-6  # noqa: E731  (TFLOP/s for flops, TB/s for bytes)
+    peak = PEAK_TFLOPS if unit == "tflops" else PEAK_TBPS
+    rows = [_row(kind, case, "unified", ours_us, info, **{unit: rate(ours_us[0]),
+                 "frac_peak": rate(ours_us[0]) / peak, "vs_best_sdpa": best / ours_us[0],
+                 "vs_sdpa_flash": flash / ours_us[0], "config": config})]
+    for name, (us, mode) in sdpa.items():
+        rows.append(_row(kind, case, f"sdpa_{name}", us, info, **{unit: rate(us[0]),
+                         "frac_peak": rate(us[0]) / peak, "gqa": mode}))
+    sd = "  ".join(f"{n} {t[0][0]:8.1f}us {rate(t[0][0]):6.1f}" for n, t in sdpa.items())
+    print(f"{kind:>8} {case:>10}  unified {ours_us[0]:8.1f}us {rate(ours_us[0]):6.1f} {unit} "
+          f"({rows[0]['frac_peak']:4.0%})  vs best {rows[0]['vs_best_sdpa']:5.2f}x  "
+          f"vs flash {rows[0]['vs_sdpa_flash']:5.2f}x  | {sd}", flush=True)
+    return rows
+
+
+def _cfg_name(cfg) -> str:
+    return "/".join(f"{k}={v}" for k, v in vars(cfg).items())
+
+
+def _causal_flops(lengths) -> float:
+    return sum(2 * 2 * n * n * DIM * HQ / 2 for n in lengths)
+
+
+def _packed(lengths, seed):
+    T = sum(lengths)
+    q, k, v = _randn(T, HQ, DIM, seed=seed), _randn(T, HK, DIM, seed=seed + 1), _randn(T, HK, DIM, seed=seed + 2)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu
+
+
+def _as_batch(x, lengths):
+    """[T, H, D] packed equal-length sequences -> SDPA's [B, H, L, D]."""
+    return x.view(len(lengths), lengths[0], x.shape[1], DIM).transpose(1, 2).contiguous()
+
+
+def bench_prefill(cases, rep_ms, info) -> list[dict]:
+    rows = []
+    for name, lengths in cases:
+        q, k, v, cu = _packed(lengths, seed=1)
+        ours = lambda: attention_varlen(q, k, v, cu, max(lengths), validate=False)  # noqa: E731
+        qb, kb, vb = _as_batch(q, lengths), _as_batch(k, lengths), _as_batch(v, lengths)
+        variants = _sdpa_variants(qb, kb, vb, causal=True)
+        _check_close(_as_batch(ours(), lengths), variants, f"prefill {name}")
+        rows += _ratio_rows("prefill", name, timed(ours, rep_ms), _time_sdpa(variants, rep_ms),
+                            _causal_flops(lengths), "tflops", info, _cfg_name(_attention_fwd.default_config()))
+    return rows
+
+
+def bench_decode(cases, block_size, rep_ms, info) -> list[dict]:
+    rows = []
+    for batch, ctx in cases:
+        blocks = triton.cdiv(ctx, block_size)
+        k, v = _randn(batch * ctx, HK, DIM, seed=3), _randn(batch * ctx, HK, DIM, seed=4)
+        q = _randn(batch, HQ, DIM, seed=5)
+        kc = torch.empty(batch * blocks + 1, block_size, HK, DIM, dtype=torch.bfloat16, device=DEVICE)
+        vc = torch.empty_like(kc)
+        tables = torch.randperm(batch * blocks, device=DEVICE).view(batch, blocks).to(torch.int32)
+        pos = torch.arange(ctx, device=DEVICE)
+        slots = (tables.long()[:, pos // block_size] * block_size + pos % block_size).reshape(-1)
+        store_kv_cache(k, v, kc, vc, slots)
+        ctx_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+        ours = lambda: attention_decode(q, kc, vc, tables, ctx_lens, validate=False)  # noqa: E731
+        kb = k.view(batch, ctx, HK, DIM).transpose(1, 2).contiguous()
+        vb = v.view(batch, ctx, HK, DIM).transpose(1, 2).contiguous()
+        variants = _sdpa_variants(q[:, :, None], kb, vb, causal=False)
+        _check_close(ours()[:, :, None], variants, f"decode B={batch} ctx={ctx}")
+        kv_bytes = 2.0 * batch * ctx * HK * DIM * 2
+        rows += _ratio_rows("decode", f"B{batch}xctx{ctx}", timed(ours, rep_ms), _time_sdpa(variants, rep_ms),
+                            kv_bytes, "tbps", info, f"block_size={block_size}")
+    return rows
+
+
+def bench_backward(cases, rep_ms, info) -> list[dict]:
+    rows = []
+    for name, lengths in cases:
+        q, k, v, cu = (t.requires_grad_() if t.is_floating_point() else t for t in _packed(lengths, seed=6))
+        dout = _randn(*q.shape, seed=7)
+        out = attention_varlen(q, k, v, cu, max(lengths), validate=False)
+        ours = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+        qb, kb, vb = (_as_batch(t.detach(), lengths).requires_grad_() for t in (q, k, v))
+        doutb = _as_batch(dout, lengths)
+        variants = {}
+        for bname, (fn, mode) in _sdpa_variants(qb, kb, vb, causal=True).items():
+            with sdpa_kernel([BACKENDS[bname]]):
+                o = fn()
+            variants[bname] = (lambda o=o: torch.autograd.grad(o, (qb, kb, vb), doutb, retain_graph=True), mode)
+        rows += _ratio_rows("backward", name, timed(ours, rep_ms), _time_sdpa(variants, rep_ms),
+                            2.5 * _causal_flops(lengths), "tflops", info,
+                            _cfg_name(_attention_bwd.default_bwd_config()))
+    return rows
+
+
+def summarize(rows) -> None:
+    goals = (("prefill", "vs_sdpa_flash", 1.0), ("decode", "vs_best_sdpa", 0.9),
+             ("backward", "vs_best_sdpa", 0.7))
+    for kind, key, target in goals:
+        ours = [r for r in rows if r["kind"] == kind and r["impl"] == "unified"]
+        if ours:
+            vals = [r[key] for r in ours]
+            print(f"{kind}: {key} min {min(vals):.2f} max {max(vals):.2f}; "
+                  f"{sum(v >= target for v in vals)}/{len(vals)} meet {target}x")
+    cudnn = {r["case"]: r["us"] for r in rows if r["kind"] == "prefill" and r["impl"] == "sdpa_cudnn"}
+    for r in rows:
+        if r["kind"] == "prefill" and r["impl"] == "unified" and r["case"] in cudnn:
+            print(f"prefill {r['case']}: vs cuDNN {cudnn[r['case']] / r['us']:.2f}x (target 0.8x)")
+
+
+def write_csv(rows, out: str) -> Path:
+    path = Path(out)
+    if path.suffix != ".csv":
+        path = path / "bench_attention.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO / "eval" / "results"), help="CSV file or folder")
+    parser.add_argument("--quick", action="store_true", help="small subset, < 60 s")
+    parser.add_argument("--block-size", type=int, default=64, help="paged KV block size for decode")
+    parser.add_argument("--rep-ms", type=int, default=60, help="do_bench repetition time per case")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+    info, start = run_info(), time.time()
+    print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}")
+    print(f"forward config {_cfg_name(_attention_fwd.default_config())}; "
+          f"backward {_cfg_name(_attention_bwd.default_bwd_config())}")
+    quick = args.quick
+    rows = bench_prefill(QUICK_PREFILL if quick else PREFILL, args.rep_ms, info)
+    rows += bench_decode(QUICK_DECODE if quick else DECODE, args.block_size, args.rep_ms, info)
+    rows += bench_backward(QUICK_BACKWARD if quick else BACKWARD, args.rep_ms, info)
+    summarize(rows)
+    print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Benchmark: rollout tokens/s of the engine (unified vs standard ops) vs Hugging Face generate.
+
+Usage (GPU, repo root):
+    python3 eval/bench_rollout.py [--quick] [--model qwen3-0.6b] [--out DIR_OR_CSV]
+
+One random-initialised model with a published config (weights shared by all three
+backends, same prompts): the areal-tik engine on the unified Triton kernels, the same
+engine on the standard torch ops (cuBLAS, SDPA, eager norms), and transformers'
+``generate``. Sampling at T = 1.0 over the full vocabulary, a fixed number of new
+tokens (EOS ignored), batch 1 / 16 / 64 x 256 / 512 new tokens (``--quick``: batch 1
+and 64 x 256). Each backend is warmed up at every batch size before timing (Triton
+compiles and CUDA-graph captures happen outside the timed runs).
+
+Reported per run: seconds, tokens/s, and in hardware terms the decode weight stream
+(bytes of the weights read per step x steps / time, as TB/s and as a fraction of the
+measured 4.26 TB/s device copy); ratios unified/standard and engine/HF per shape.
+Targets: unified >= 0.9x standard; engine >= 3x HF generate at batch 64.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from areal_tik.cli import RANDOM_INIT  # noqa: E402
+from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
+
+PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
+PROMPT_LEN = 128
+FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
+QUICK = dict(batches=(1, 64), new_tokens=(256,))
+BACKENDS = ("unified", "standard", "hf")
+
+
+def run_info(device: str) -> dict:
+    import transformers
+    import triton
+
+    commit = os.environ.get("AREAL_TIK_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                                    capture_output=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def make_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+
+
+# ------------------------------------------------------------------ backends
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
+def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
+    """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops."""
+    model = UnifiedCausalLM.from_hf(hf_model, kernels=kernels)
+    max_bs = max(b for b, _ in shapes)
+    max_len = PROMPT_LEN + max(n for _, n in shapes)
+    # Every request of a run finishes together, so decode batches are exactly the benchmark
+    # batch sizes: capturing only those saves the other buckets' capture time.
+    config = EngineConfig(max_num_seqs=max_bs, max_model_len=max_len, kv_block_size=64,
+                          num_kv_blocks=max_bs * -(-max_len // 64) + 1, cuda_graphs=True,
+                          cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0)
+    with LLM(model, config) as llm:
+        times = _time_engine(llm, kernels, shapes, vocab)
+    llm = model = None  # free the KV cache and CUDA graphs before the next backend
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return times
+
+
+def _time_engine(llm, kernels: str, shapes, vocab: int) -> dict:
+    for batch in sorted({b for b, _ in shapes}):  # warm-up: compiles for every prefill shape
+        llm.generate(make_prompts(batch, vocab, 1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    times = {}
+    for batch, new in shapes:
+        prompts = make_prompts(batch, vocab)
+        params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
+        times[(batch, new)] = _timed(lambda: llm.generate(prompts, params))
+        print(f"  {kernels:8s} batch {batch:3d} x {new} tokens: {times[(batch, new)]:.2f} s", flush=True)
+    return times
+
+
+def bench_hf(hf_model, shapes, vocab: int) -> dict:
+    """{(batch, new_tokens): seconds} for transformers' ``generate`` (sampling, T = 1, no top-k)."""
+    def run(batch, new, seed):
+        ids = torch.tensor(make_prompts(batch, vocab, seed), device=hf_model.device)
+        hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                          top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+
+    times = {}
+    with torch.inference_mode():
+        for batch in sorted({b for b, _ in shapes}):
+            run(batch, 4, 1)
+        for batch, new in shapes:
+            times[(batch, new)] = _timed(lambda: run(batch, new, 0))
+            print(f"  hf       batch {batch:3d} x {new} tokens: {times[(batch, new)]:.2f} s", flush=True)
+    return times
+
+
+# ------------------------------------------------------------------ report
+
+
+def weight_bytes(hf_model) -> int:
+    """Bytes of distinct parameters: what each decode step streams at least once."""
+    seen, total = set(), 0
+    for p in hf_model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def rows_for(model_name, backend, batch, new, seconds, wbytes, info) -> list[dict]:
+    tokens = batch * new
+    tbps = wbytes * new / seconds / 1e12
+    base = dict(info, model=model_name, backend=backend, batch=batch, prompt_len=PROMPT_LEN, new_tokens=new)
+    return [dict(base, metric="seconds", value=round(seconds, 4), unit="s"),
+            dict(base, metric="tokens_per_s", value=round(tokens / seconds, 1), unit="tokens/s"),
+            dict(base, metric="weight_stream", value=round(tbps, 4), unit="TB/s"),
+            dict(base, metric="weight_stream_fraction", value=round(tbps / PEAK_TBPS, 4), unit="of 4.26 TB/s")]
+
+
+def ratio_rows(model_name, results, info) -> list[dict]:
+    rows = []
+    for shape in results["unified"]:
+        batch, new = shape
+        base = dict(info, model=model_name, batch=batch, prompt_len=PROMPT_LEN, new_tokens=new, unit="x")
+        pairs = (("unified/standard", "standard", "unified"), ("unified/hf", "hf", "unified"),
+                 ("standard/hf", "hf", "standard"))
+        for name, slow, fast in pairs:
+            if slow in results and fast in results:
+                rows.append(dict(base, backend=name, metric="speedup",
+                                 value=round(results[slow][shape] / results[fast][shape], 3)))
+    return rows
+
+
+def summarize(results) -> None:
+    print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
+          + f" {'uni/std':>8} {'uni/hf':>8}")
+    for shape in results["unified"]:
+        batch, new = shape
+        rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
+        uni = results["unified"][shape]
+        std = results.get("standard", {}).get(shape)
+        hf = results.get("hf", {}).get(shape)
+        r1 = f"{std / uni:8.2f}" if std else f"{'-':>8}"
+        r2 = f"{hf / uni:8.2f}" if hf else f"{'-':>8}"
+        print(f"{batch:5d} {new:4d} {rates} {r1} {r2}")
+
+
+def write_csv(rows, out: str) -> Path:
+    path = Path(out)
+    if path.suffix != ".csv":
+        path = path / "bench_rollout.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b", choices=list(RANDOM_INIT))
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 64 x 256 tokens (< 90 s)")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--out", default=str(REPO / "eval" / "results"), help="CSV file or folder")
+    parser.add_argument("--device", default="cuda", help="cpu only smoke-tests the plumbing (tiny models)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="BATCHxNEW",
+                        help="override the shapes, e.g. 2x8 4x8")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_rollout needs a CUDA GPU (or --device cpu for a plumbing smoke test)")
+    if "unified" not in args.backends:
+        raise SystemExit("--backends must include unified (the ratios are relative to it)")
+    start = time.time()
+    sizes = QUICK if args.quick else FULL
+    shapes = [(b, n) for n in sizes["new_tokens"] for b in sizes["batches"]]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    kind, key = RANDOM_INIT[args.model]
+    config = published_config(key) if kind == "published" else tiny_config(key)
+    hf_model = random_model(config, device=args.device, seed=0)
+    vocab = hf_model.config.vocab_size
+    info = run_info(args.device)
+    print(f"{args.model} on {info['device']} ({info['commit']}); prompts of {PROMPT_LEN} tokens", flush=True)
+    results = {}
+    for backend in args.backends:
+        if backend == "hf":
+            results["hf"] = bench_hf(hf_model, shapes, vocab)
+        else:
+            results[backend] = bench_engine(hf_model, backend, shapes, vocab)
+    wbytes = weight_bytes(hf_model)
+    rows = [r for b, times in results.items() for (batch, new), s in times.items()
+            for r in rows_for(args.model, b, batch, new, s, wbytes, info)]
+    rows += ratio_rows(args.model, results, info)
+    summarize(results)
+    print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The actor.unified_kernels flag and its options through AReaL's own config loader."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("areal")
+
+from areal.api.cli_args import GRPOConfig, PPOActorConfig  # noqa: E402
+
+from areal_tik import patches  # noqa: E402
+from areal_tik.integration.audit import RunState  # noqa: E402
+from areal_tik.integration.config import TikGRPOConfig, TikPPOActorConfig, engine_mode, reuse_refusals  # noqa: E402
+from areal_tik.integration.tasks import ReasoningGymGRPOConfig  # noqa: E402
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "chain_sum_grpo_tiny_cpu.yaml"
+
+
+@pytest.fixture
+def areal_patches():
+    handle = patches.apply("areal")
+    yield handle
+    handle.revert()
+
+
+@pytest.fixture
+def load(areal_patches, tmp_path):
+    """Load the CPU recipe through AReaL's (patched) loader, writing under tmp_path."""
+    import areal.api.cli_args as cli_args
+
+    def load(overrides=(), cls=ReasoningGymGRPOConfig):
+        roots = [f"++cluster.fileroot={tmp_path}", f"++cluster.name_resolve.nfs_record_root={tmp_path}/nr"]
+        config, _ = cli_args.load_expr_config(["--config", str(RECIPE), *roots, *overrides], cls)
+        return config
+    return load
+
+
+def test_recipe_loads_with_flag(load):
+    config = load()
+    assert isinstance(config, TikGRPOConfig) and isinstance(config, GRPOConfig)
+    assert isinstance(config.actor, TikPPOActorConfig) and isinstance(config.actor, PPOActorConfig)
+    assert config.actor.unified_kernels is True
+    assert config.actor.tik_audit_every == 2
+    assert engine_mode(config) == "inprocess"
+    assert config.stats_logger.wandb.mode == "offline"
+    assert reuse_refusals(config, vocab_size=256) == []
+
+
+def test_stock_config_class_is_substituted(areal_patches, tmp_path):
+    # A stock script asks for GRPOConfig; the patched loader returns the areal-tik subclass.
+    import areal.api.cli_args as cli_args
+    import yaml
+
+    data = yaml.safe_load(RECIPE.read_text())
+    del data["task"]  # the recipe's own section; a stock GRPO YAML has none
+    data["cluster"]["fileroot"] = str(tmp_path)
+    stock = tmp_path / "stock.yaml"
+    stock.write_text(yaml.safe_dump(data))
+    config, _ = cli_args.load_expr_config(["--config", str(stock)], GRPOConfig)
+    assert type(config) is TikGRPOConfig
+    assert config.actor.unified_kernels is True
+
+
+def test_wandb_offline_is_the_default(load):
+    assert load(["stats_logger.wandb.mode=disabled"]).stats_logger.wandb.mode == "disabled"
+    assert TikGRPOConfig.__dataclass_fields__["stats_logger"].default_factory().wandb.mode == "offline"
+
+
+def test_unknown_key_is_a_clear_error(load):
+    hint = r"(?s)unknown config key.*tik_audit_evry.*Did you mean.*actor.tik_audit_every"
+    with pytest.raises(ValueError, match=hint):
+        load(["++actor.tik_audit_evry=3"])
+
+
+@pytest.mark.parametrize("backend", ["megatron:d1", "archon:d1"])
+def test_flag_needs_fsdp_backend(load, backend):
+    with pytest.raises(ValueError, match="needs the FSDP training backend"):
+        load([f"++actor.backend={backend}"])
+
+
+def test_flag_rejects_tensor_parallel_and_lora(load):
+    with pytest.raises(ValueError, match="data parallelism only"):
+        load(["++actor.backend=fsdp:d1t2"])
+    with pytest.raises(ValueError, match="LoRA"):
+        load(["++actor.use_lora=true"])
+
+
+def test_bad_option_values(load):
+    with pytest.raises(ValueError, match="tik_audit_every must be an int >= 0"):
+        load(["++actor.tik_audit_every=-1"])
+    with pytest.raises(ValueError, match="tik_kernels must be one of"):
+        load(["++actor.tik_kernels=fast"])
+    with pytest.raises(ValueError, match="tik_engine must be one of"):
+        load(["++rollout.tik_engine=remote"])
+    with pytest.raises(ValueError, match="needs actor.unified_kernels=true"):
+        load(["++actor.unified_kernels=false", "++rollout.tik_engine=inprocess"])
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["++gconfig.top_p=0.9"], "top-p sampling"),
+    (["++gconfig.top_k=20"], "top-k sampling"),
+    (["++gconfig.greedy=true"], "greedy decoding"),
+    (["++gconfig.temperature=0.7", "++actor.temperature=1.0"], "rollout temperature"),
+    (["++gconfig.min_new_tokens=2"], "min_new_tokens"),
+    (["++rollout.tik_engine=off"], "not the areal-tik engine"),
+    (["++actor.tik_reuse_logprobs=false"], "tik_reuse_logprobs is false"),
+    (["++actor.tik_kernels=standard"], "not bitwise across regimes"),
+])
+def test_inexact_configs_refuse_reuse(load, overrides, reason):
+    config = load(overrides)
+    reasons = reuse_refusals(config, vocab_size=256)
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_top_k_at_vocab_size_is_no_filter(load):
+    assert reuse_refusals(load(["++gconfig.top_k=256"]), vocab_size=256) == []
+    assert reuse_refusals(load(["++gconfig.top_k=0"]), vocab_size=256) == []
+
+
+def test_refused_reuse_keeps_the_recompute(load):
+    # AReaL asks for the recompute pass iff should_compute_prox_logp(); the flag removes it
+    # only while reuse is active.
+    config = load()
+    assert config.actor.should_compute_prox_logp() is True  # no run state yet: stock answer
+    config.actor._tik_state = RunState()
+    assert config.actor.should_compute_prox_logp() is False
+    config.actor._tik_state = RunState(refusals=["top-p sampling"])
+    assert config.actor.should_compute_prox_logp() is True
+    state = RunState()
+    config.actor._tik_state = state
+    with pytest.warns(RuntimeWarning, match="recomputing old log-probs permanently"):
+        state.fall_back("test")
+    assert config.actor.should_compute_prox_logp() is True
+
+
+def test_non_ppo_config_classes_pass_through():
+    from areal.api.cli_args import SFTConfig
+
+    from areal_tik.integration.trainer import tik_config_class
+
+    assert tik_config_class(SFTConfig) is SFTConfig
+    assert tik_config_class(GRPOConfig) is TikGRPOConfig
+    with pytest.raises(TypeError, match="derive it from areal_tik"):
+        tik_config_class(type("MyPPO", (GRPOConfig,), {}))
+
+
+def test_sampling_params_follow_gconfig():
+    from areal.api.cli_args import GenerationHyperparameters
+
+    from areal_tik.integration.inference import sampling_params
+
+    g = GenerationHyperparameters(max_new_tokens=8, temperature=0.7, top_p=0.9, stop_token_ids=[2, 0])
+    sp = sampling_params(g, 6, vocab_size=256)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens) == (0.7, 0.9, 0, 6)
+    assert sp.stop_token_ids == (2, 0) and not sp.logprobs_match_sampling
+    assert sampling_params(g.new(greedy=True), 6, 256).temperature == 0.0
+    assert sampling_params(g.new(top_k=20, top_p=1.0), 6, 256).top_k == 20
+    assert sampling_params(g.new(top_p=1.0), 6, 256).logprobs_match_sampling
+    with pytest.raises(ValueError, match="does not implement.*min_new_tokens"):
+        sampling_params(g.new(min_new_tokens=2), 6, 256)
+    with pytest.raises(ValueError, match="n_samples=2"):
+        sampling_params(g.new(n_samples=2), 6, 256)

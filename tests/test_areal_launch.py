@@ -1,0 +1,56 @@
+"""The launcher: a stock-style entry script runs unchanged with the areal-tik patches."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("areal")
+
+from areal_tik import patches  # noqa: E402
+from areal_tik.integration import launch  # noqa: E402
+from areal_tik.integration.tiny import make_tiny_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_launcher_usage_and_bad_script(tmp_path):
+    assert launch.main(["--help"]) == 0
+    assert launch.main([]) == 2
+    with pytest.raises(FileNotFoundError, match="entry script not found"):
+        launch.run_script(str(tmp_path / "missing.py"), [])
+    assert patches.active() == []
+
+
+def test_inprocess_engine_needs_spmd_mode(tmp_path, monkeypatch):
+    from areal import PPOTrainer
+
+    from areal_tik.integration import demo
+
+    monkeypatch.delenv("AREAL_SPMD_MODE", raising=False)
+    with patches.apply("areal"):
+        config = demo.load_config(demo.grpo_config(str(tmp_path / "none"), str(tmp_path)), str(tmp_path))
+        with pytest.raises(ValueError, match="SPMD mode.*areal_tik.integration.launch"):
+            PPOTrainer(config, train_dataset=None)
+
+
+@pytest.mark.slow
+def test_launcher_runs_the_recipe_script(tmp_path):
+    model = make_tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=1)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("AREAL_SPMD_MODE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "areal_tik.integration.launch", "recipes/reasoning_gym_grpo.py",
+           "--config", "recipes/chain_sum_grpo_tiny_cpu.yaml", f"actor.path={model}",
+           f"cluster.fileroot={tmp_path}/exp", f"cluster.name_resolve.nfs_record_root={tmp_path}/nr",
+           "total_train_steps=1", "train_dataset.batch_size=2", "gconfig.max_new_tokens=4",
+           "task.name=basic_arithmetic", "++task.instruction=''"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "Train step 1/" in out and "tik/audit_passed" in out
+    runs = list((tmp_path / "exp" / "logs").glob("*/*/*/wandb/offline-run-*"))
+    assert runs, "no offline W&B run was written"

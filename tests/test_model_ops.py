@@ -1,0 +1,184 @@
+"""Op backends of the unified model (the "standard" torch path, unified resolution),
+KVCache and ModelSpec.
+
+The standard backend is checked against what it imitates: transformers' own rotary
+embedding and rope application (bitwise: same fp32 / bf16 operations), the float64
+references (attention: bf16 rounding, rel err <= 1e-2), and itself across regimes
+(paged decode vs per-sequence SDPA: rel err <= 1e-2; it is not batch invariant).
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from areal_tik.model import (PUBLISHED_CONFIGS, KVCache, KernelUnavailableError, ModelSpec, get_ops,
+                             missing_ops, published_config, tiny_config)
+from areal_tik.model.ops import OP_NAMES, UnifiedOps
+from areal_tik.unified_kernels import reference
+
+from ._bits import assert_bitwise, rel_err
+
+STD = get_ops("standard")
+
+
+def test_both_backends_expose_the_functional_api():
+    assert STD.kind == "standard" and all(callable(getattr(STD, n)) for n in OP_NAMES)
+    unified = get_ops("unified")
+    assert unified.kind == "unified" and get_ops(unified) is unified
+    assert set(missing_ops("unified")) <= set(OP_NAMES) and missing_ops("standard") == []
+    with pytest.raises(AttributeError, match="no op"):
+        unified.not_an_op
+
+
+def test_missing_unified_kernel_raises_instead_of_substituting(monkeypatch):
+    package = importlib.import_module("areal_tik.unified_kernels")
+    monkeypatch.delattr(package, "silu_mul")
+    with pytest.raises(KernelUnavailableError, match="has no function 'silu_mul'"):
+        UnifiedOps().silu_mul
+    assert missing_ops("unified") == ["silu_mul"]
+
+
+# ----------------------------------------------------------------------------- rope
+
+
+def _hf_rotary(family):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    config = tiny_config(family)
+    return config, LlamaRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # default rope, llama3 scaling
+def test_standard_rope_matches_transformers_bitwise(family):
+    config, rotary = _hf_rotary(family)
+    spec = ModelSpec.from_hf_config(config)
+    cos, sin = STD.rope_cos_sin(spec.max_positions, spec.head_dim, spec.rope_theta, spec.rope_scaling)
+    positions = torch.tensor([0, 1, 7, 100, 255])
+    x = torch.randn(1, len(positions), spec.head_dim, dtype=torch.bfloat16)
+    hf_cos, hf_sin = rotary(x, positions[None])
+    half = spec.head_dim // 2
+    assert_bitwise(cos[positions].to(torch.bfloat16), hf_cos[0, :, :half], "cos")
+    assert_bitwise(sin[positions].to(torch.bfloat16), hf_sin[0, :, :half], "sin")
+    ref = reference.rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+    assert rel_err(cos, (torch.arange(spec.max_positions, dtype=torch.float64)[:, None] * ref).cos()) < 1e-5
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    q = torch.randn(len(positions), 4, spec.head_dim, dtype=torch.bfloat16)
+    k = torch.randn(len(positions), 2, spec.head_dim, dtype=torch.bfloat16)
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    ours_q, ours_k = STD.apply_rope(q, k, positions, cos, sin)
+    assert_bitwise(ours_q, hf_q[0].transpose(0, 1), "rope q")
+    assert_bitwise(ours_k, hf_k[0].transpose(0, 1), "rope k")
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _qkv(T, hq=4, hk=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(T, h, d, generator=g).to(torch.bfloat16) for h in (hq, hk, hk)]
+
+
+def test_standard_varlen_matches_reference_and_zeroes_padding():
+    q, k, v = _qkv(23)
+    cu = torch.tensor([0, 5, 6, 20], dtype=torch.int32)
+    out = STD.attention_varlen(q, k, v, cu, 14, 0.3)
+    ref = reference.attention(q, k, v, cu, 0.3, compute=torch.float64)
+    assert rel_err(out[:20], ref[:20]) < 1e-2
+    assert torch.equal(out[20:], torch.zeros_like(out[20:]))
+
+
+def test_standard_decode_reads_paged_cache_and_ignores_garbage():
+    lens, block = [9, 3, 17], 4
+    q, k, v = _qkv(sum(lens), seed=1)
+    cu = torch.tensor([0, 9, 12, 29], dtype=torch.int32)
+    full = STD.attention_varlen(q, k, v, cu, 17, None)
+    k_cache = torch.full((16, block, 2, 16), float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(2)).tolist()
+    tables, slots = [], []
+    for n in lens:
+        blocks = [perm.pop() for _ in range(-(-n // block))]
+        tables.append(blocks + [0] * (5 - len(blocks)))
+        slots += [blocks[p // block] * block + p % block for p in range(n)]
+    STD.store_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots))
+    last = torch.tensor([8, 11, 28])
+    out = STD.attention_decode(q[last], k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+                               torch.tensor(lens, dtype=torch.int32), None)
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, full[last]) < 1e-2
+
+
+def test_standard_store_skips_slot_minus_one():
+    k_cache = torch.full((3, 4, 2, 16), float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k, v = _qkv(4, hq=2, seed=3)[1:]
+    k_cache[0, 0] = 1.5  # slot 0 holds real data: a skipped row must not clobber it
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    STD.store_kv_cache(k, v, k_cache, v_cache, torch.tensor([-1, 5, -1, 7]))
+    expect_k, expect_v = before_k.view(12, 2, 16).clone(), before_v.view(12, 2, 16).clone()
+    expect_k[[5, 7]], expect_v[[5, 7]] = k[[1, 3]], v[[1, 3]]
+    assert_bitwise(k_cache.view(12, 2, 16), expect_k, "k cache")
+    assert_bitwise(v_cache.view(12, 2, 16), expect_v, "v cache")
+    STD.store_kv_cache(k, v, k_cache, v_cache, torch.full((4,), -1))
+    assert_bitwise(k_cache.view(12, 2, 16), expect_k, "k cache after an all-skipped store")
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def test_standard_logprob_paths_agree():
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(6, 32, generator=g).to(torch.bfloat16)
+    weight = torch.randn(50, 32, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (6,), generator=g)
+    lp, ent = STD.token_logprobs(hidden, weight, targets, 0.7, True)
+    logits, lse = STD.lm_head_logits_lse(hidden, weight, 0.7)
+    assert logits.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.allclose(STD.gather_logprobs(logits, lse, targets, 0.7), lp, atol=1e-5, rtol=0)
+    ref_lp, ref_ent = reference.token_logprobs(hidden, weight, targets, 0.7, True)
+    assert torch.allclose(lp, ref_lp, atol=1e-2) and torch.allclose(ent, ref_ent, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- KVCache, ModelSpec
+
+
+def test_kv_cache_allocation_and_views():
+    cache = KVCache.allocate(3, 5, 16, 2, 8, dtype=torch.bfloat16, device="cpu", zero=True)
+    assert (cache.n_layers, cache.num_blocks, cache.block_size, cache.num_slots) == (3, 5, 16, 80)
+    k1, v1 = cache.layer(1)
+    assert k1.shape == (5, 16, 2, 8) and k1.data_ptr() == cache.k[1].data_ptr()
+    assert KVCache.bytes_per_block(3, 16, 2, 8) == cache.k.nbytes * 2 // 5
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVCache.allocate(3, 0, 16, 2, 8, device="cpu")
+    with pytest.raises(ValueError, match="contiguous"):
+        KVCache(cache.k.transpose(1, 2), cache.v.transpose(1, 2))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        KVCache(None, cache.v)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CONFIGS))
+def test_published_configs_parse(name):
+    spec = ModelSpec.from_hf_config(published_config(name))
+    expected = {
+        "Qwen3-0.6B": ("qwen3", 1024, 28, 16, 8, 128, True),
+        "Qwen3-1.7B": ("qwen3", 2048, 28, 16, 8, 128, True),
+        "Qwen2.5-1.5B": ("qwen2", 1536, 28, 12, 2, 128, True),
+        "Llama-3.2-1B": ("llama", 2048, 16, 32, 8, 64, True),
+    }[name]
+    got = (spec.family, spec.hidden, spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim,
+           spec.tie_embeddings)
+    assert got == expected
+    assert spec.qk_norm == (spec.family == "qwen3") and spec.qkv_bias == (spec.family == "qwen2")
+    assert (spec.rope_scaling is not None) == (name == "Llama-3.2-1B")
+
+
+def test_model_spec_validation():
+    spec = ModelSpec.from_hf_config(tiny_config("qwen3"))
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        ModelSpec(**{**spec.__dict__, "n_kv_heads": 3})
+    with pytest.raises(ValueError, match="family"):
+        ModelSpec(**{**spec.__dict__, "family": "gpt2"})
+    with pytest.raises(ValueError, match="hidden"):
+        ModelSpec(**{**spec.__dict__, "hidden": 0})
