@@ -14,9 +14,10 @@ else
   TORCH_PIN="torch==2.13.0"
 fi
 pip_install "$TORCH_PIN" "triton==3.6.0" "numpy<2.4"
-pip_install -e ".[test]" "$TORCH_PIN" "numpy<2.4"
+# AReaL 1.0.4 supports transformers 5.0 to 5.3.
+pip_install -e ".[test]" "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3"
 
 if [ -f requirements/areal.txt ]; then
   pip_install --no-deps "areal==1.0.4"
-  pip_install -r requirements/areal.txt "$TORCH_PIN" "numpy<2.4"
+  pip_install -r requirements/areal.txt "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3"
 fi

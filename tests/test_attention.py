@@ -3,8 +3,9 @@
 A query row at position p must have the same output bits whether computed by the packed
 varlen forward (any composition, padding), by prefill of its sequence alone, or by paged
 decode at context p + 1 (shuffled block tables, poisoned unused slots, any batch).
-CPU runs use the interpreter tiles (16 x 16, KV split 32), so lengths 17, 33 and 70 cross
-tiles and splits; ``-m gpu`` repeats the contract at real sizes.
+CPU runs use the interpreter tiles (16 x 16, KV split 32, prefill programs of 2 sub-tiles),
+so lengths 17, 33 and 70 cross tiles, splits and prefill programs; ``-m gpu`` repeats the
+contract at real sizes.
 """
 import dataclasses
 import math
@@ -17,8 +18,8 @@ import pytest
 import torch
 import triton
 
+from areal_tik.unified_kernels import _attention_bwd, _attention_fwd, reference
 from areal_tik.unified_kernels import attention as attn_mod
-from areal_tik.unified_kernels import reference
 from areal_tik.unified_kernels._attention_fwd import FwdConfig, default_config
 from areal_tik.unified_kernels.attention import attention_decode, attention_varlen, store_kv_cache
 from tests._bits import assert_bitwise, rel_err
@@ -255,13 +256,16 @@ def test_single_split_table_equals_multi_split_table(device):
         assert_bitwise(out, full[picks], f"table width {table.numel()}")
 
 
-def test_unmasked_loop_switch_keeps_bits(device):
-    """Skipping the mask on whole tiles is an optimisation, not a numerics change."""
+def test_scheduling_switches_keep_bits(device):
+    """Skipping the mask on whole tiles and running prefill programs of one sub-tile
+    instead of two are scheduling choices, not numerics changes."""
     masked_only = dataclasses.replace(default_config(), unmasked_loop=False)
+    one_subtile = dataclasses.replace(default_config(), prefill_subtiles=1)
     q, k, v = _qkv(75, 4, 2, 16, torch.bfloat16, device, seed=47)
     cu = _cu([70, 5], device)
-    assert_bitwise(attention_varlen(q, k, v, cu, 70, config=masked_only),
-                   attention_varlen(q, k, v, cu, 70), "prefill")
+    base = attention_varlen(q, k, v, cu, 70)
+    assert_bitwise(attention_varlen(q, k, v, cu, 70, config=masked_only), base, "prefill masked")
+    assert_bitwise(attention_varlen(q, k, v, cu, 70, config=one_subtile), base, "prefill 1 sub-tile")
     cache = PagedCache([(k[:70], v[:70])], _block_size(), device)
     tables, picks = cache.tables[0][None].expand(3, -1).contiguous(), [0, 40, 69]
     ctx = torch.tensor([p + 1 for p in picks], dtype=torch.int32, device=device)
@@ -315,6 +319,59 @@ def test_negative_control_other_block_n_changes_bits(device):
     b = attention_varlen(q, k, v, cu, 70, config=other)
     assert rel_err(a, b) < BF16_TOL
     assert not torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records (name, grid), computes nothing."""
+
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.name, tuple(grid)))
+
+
+def test_validate_false_reads_no_device_values_and_grids_come_from_shapes(monkeypatch):
+    """With validate=False no launcher reads a tensor's values on the host (so every call
+    is CUDA-graph capturable and never syncs), and decode's grid and launches depend on
+    static shapes only, not on context_lens."""
+    launches = []
+    kernels = ((_attention_fwd, ("_prefill_fwd_kernel", "_decode_fwd_kernel", "_decode_combine_kernel")),
+               (_attention_bwd, ("_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
+               (attn_mod, ("_store_kv_kernel",)))
+    for module, names in kernels:
+        for name in names:
+            monkeypatch.setattr(module, name, _LaunchRecorder(name, launches))
+    q, k, v = _qkv(40, 4, 2, 16, torch.bfloat16, "cpu")
+    q.requires_grad_()
+    cu = _cu([30, 10], "cpu")
+    kc = torch.zeros(8, _block_size(), 2, 16, dtype=torch.bfloat16)
+    tables = torch.arange(6, dtype=torch.int32).view(2, 3)
+    slots = torch.arange(40)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("host read of a tensor value")
+
+    with monkeypatch.context() as m:
+        for method in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+            m.setattr(torch.Tensor, method, host_read)
+        out = attention_varlen(q, k, v, cu, 30, validate=False)
+        torch.autograd.grad(out, q, torch.ones_like(out))
+        store_kv_cache(k, v, kc, kc.clone(), slots, validate=False)
+        grids = []
+        for ctx in ([1, 1], [3 * _block_size(), 2 * _block_size() + 5]):
+            launches.clear()
+            attention_decode(q[:2].detach(), kc, kc, tables, torch.tensor(ctx, dtype=torch.int32),
+                             validate=False)
+            grids.append(list(launches))
+    assert grids[0] == grids[1] and grids[0][0][0] == "_decode_fwd_kernel"
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="kv_split"):
+        FwdConfig(16, 16, 4, 48)
+    with pytest.raises(ValueError, match="prefill_subtiles"):
+        FwdConfig(16, 16, 4, 32, prefill_subtiles=3)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -404,9 +461,10 @@ GPU_SHAPES = [(32, 8, 128), (16, 8, 64)]  # (Hq, Hk, D): GQA 4 and 2
 
 
 def _boundary_positions(n):
-    """Tile (64) and KV-split (2048) boundaries, the middle and the last row."""
-    edges = {0, 1, 63, 64, 65, 127, 128, 1023, 2047, 2048, 2049, 4095, 4096, 6143, 6144,
-             n // 2, n - 2, n - 1}
+    """Tile (64), prefill program (128) and KV-split boundaries, the middle and the last row."""
+    split = default_config().kv_split
+    edges = {0, 1, 63, 64, 65, 127, 128, 129, n // 2, n - 2, n - 1}
+    edges |= {s + e for s in range(split, n, split) for e in (-1, 0, 1)}
     return sorted(p for p in edges if 0 <= p < n)
 
 
@@ -595,3 +653,43 @@ def test_gpu_unmasked_loop_switch_keeps_bits():
     ctx = torch.tensor([p + 1 for p in picks], dtype=torch.int32, device="cuda")
     assert_bitwise(attention_decode(q[picks], cache.k, cache.v, tables, ctx, config=masked_only),
                    attention_decode(q[picks], cache.k, cache.v, tables, ctx), "decode")
+
+
+@gpu
+@pytest.mark.parametrize("hq,hk,dim", GPU_SHAPES)
+def test_gpu_prefill_subtiles_keep_bits(hq, hk, dim):
+    """A prefill program of 2 sub-tiles (128 rows, 8 warps) gives the bits of programs of
+    one 64-row sub-tile (the decode tiling), with and without the training LSE."""
+    base = default_config()
+    one, two = (dataclasses.replace(base, prefill_subtiles=s) for s in (1, 2))
+    lengths = [1, 100, 129, 1000, 2049, 3000]
+    q, k, v = _qkv(sum(lengths) + 5, hq, hk, dim, torch.bfloat16, "cuda", seed=140)
+    cu = _cu(lengths, "cuda")
+    assert_bitwise(attention_varlen(q, k, v, cu, 3000, config=two),
+                   attention_varlen(q, k, v, cu, 3000, config=one), "inference")
+    grad_q = q.detach().requires_grad_()
+    assert_bitwise(attention_varlen(grad_q, k, v, cu, 3000, config=two).detach(),
+                   attention_varlen(grad_q, k, v, cu, 3000, config=one).detach(), "training (LSE)")
+
+
+@gpu
+def test_gpu_cuda_graph_prefill_replays_eager_bits():
+    hq, hk, dim = 32, 8, 128
+    lengths = [700, 1500, 33]
+    q, k, v = _qkv(sum(lengths) + 20, hq, hk, dim, torch.bfloat16, "cuda", seed=150)
+    cu = _cu(lengths, "cuda")
+    static = [t.clone() for t in (q, k, v, cu)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_varlen(*static, 1500)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attention_varlen(*static, 1500)
+    new = _qkv(sum(lengths) + 20, hq, hk, dim, torch.bfloat16, "cuda", seed=151) + (_cu([1500, 33, 700], "cuda"),)
+    for dst, src in zip(static, new):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(static_out, attention_varlen(*new, 1500), "graph replay")

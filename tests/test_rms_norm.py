@@ -6,9 +6,14 @@ are within 1 ulp on >= 99.9% and within 3 ulp everywhere (see ``_assert_close_to
 fp32 outputs within 8 ulp. Only the fp32 rstd (vs exact) can move a result.
 """
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from areal_tik.unified_kernels import reference
 from areal_tik.unified_kernels.rms_norm import NormConfig, _forward, add_rms_norm, norm_candidates, rms_norm
@@ -19,6 +24,7 @@ from ._bits import assert_bitwise, rel_err, ulp_distance
 # or the function, depending on import order).
 rms_norm_mod = importlib.import_module("areal_tik.unified_kernels.rms_norm")
 F64 = torch.float64
+REPO = Path(__file__).resolve().parents[1]
 # NaN/inf padding rows make the interpreter's numpy ops warn; those values are intended.
 # The interpreter's tensor-valued loop bounds trip a numpy deprecation (numpy < 2.4 pinned).
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
@@ -286,6 +292,18 @@ def test_candidate_list():
         assert cands[0] == rms_norm_mod.norm_config(hidden) and len(set(cands)) == len(cands)
         assert all(c.block == cands[0].block and c.n_chunks == 1 for c in cands)
     assert rms_norm_mod.norm_config(1024) == NormConfig(1024, 1, 4, 4)
+
+
+def test_aot_table_keeps_row_layout():
+    """Without a GPU: compiled for sm_90a, every norm table geometry reduces a row with the
+    lanes and warps of the first GPU run's geometry (so no output bit moved), and no
+    table kernel of the three ops spills (``eval/bench_pointwise.py --aot --check``)."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton build ships no ptxas")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(REPO / "eval" / "bench_pointwise.py"), "--aot", "--check"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 # ---------------------------------------------------------------------------- bad input

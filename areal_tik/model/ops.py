@@ -142,7 +142,7 @@ def _std_gather_logprobs(logits, lse, targets, temperature=1.0):
     return picked.float() / temperature - lse
 
 
-def _std_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None):
+def _std_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None, *, validate=True):
     """SDPA per sequence (host loop over cu_seqlens); rows past cu_seqlens[-1] are zeros."""
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
@@ -155,7 +155,7 @@ def _std_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None):
     return out
 
 
-def _std_store_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+def _std_store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
     """Write k/v ``[T, Hk, D]`` into flat slots of ``[num_blocks, block_size, Hk, D]`` caches;
     slot -1 skips a row (padding), as the unified kernel does.
 
@@ -178,7 +178,8 @@ def _std_store_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         flat.index_copy_(0, target, torch.where(valid[:, None, None], new, fill))
 
 
-def _std_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None):
+def _std_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None, *,
+                          validate=True):
     """Gather each sequence's paged K/V into a contiguous ``[B, L, Hk, D]`` and call SDPA.
 
     Static shapes only (L = blocks per table x block_size), so it is CUDA-graph capturable;

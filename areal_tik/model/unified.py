@@ -201,7 +201,10 @@ class UnifiedCausalLM:
         ops, scale = self.ops, self.config.softmax_scale
 
         def attend_for(index):
-            return lambda q, k, v: ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+            # Metadata checks read tensors on the host: once per forward is enough.
+            check = index == 0
+            return lambda q, k, v: ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale,
+                                                        validate=check)
 
         def body(input_ids, positions):
             return self._final_norm(*self._stack(input_ids, positions, attend_for, hooked=True))
@@ -219,9 +222,11 @@ class UnifiedCausalLM:
         def attend_for(index):
             k_cache, v_cache = cache.layer(index)
 
+            check = index == 0  # metadata checks sync the host: once per forward
+
             def attend(q, k, v):
-                ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-                return ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale)
+                ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=check)
+                return ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, validate=check)
             return attend
 
         delta, residual = self._stack(input_ids, positions, attend_for, hooked=False)
@@ -241,9 +246,12 @@ class UnifiedCausalLM:
         def attend_for(index):
             k_cache, v_cache = cache.layer(index)
 
+            check = index == 0  # metadata checks sync the host: once per step
+
             def attend(q, k, v):
-                ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-                return ops.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+                ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=check)
+                return ops.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                            validate=check)
             return attend
 
         return self._final_norm(*self._stack(input_ids, positions, attend_for, hooked=False))

@@ -15,23 +15,27 @@ the online softmax starts fresh (m = -inf, l = 0, acc = 0) and updates per tile 
     acc'  = dot(p.to(v.dtype), v, acc * alpha)
 The split results are folded in split order by ``_merge`` starting from the empty state
 (M = -inf, L = 0, O = 0), and the row's output is ``O / L`` (IEEE division) rounded once.
-Prefill/training does the whole fold inside one program; decode runs one program per
-split (partials stored exactly in fp32) and the same fold in ``_decode_combine_kernel``,
-or in the same program when a single split covers the block table.
+Prefill/training does the whole fold inside one program (splits made only of tiles every
+row of the program sees whole run in a constant-trip loop without masks, then the
+diagonal split); decode runs one program per split (partials stored exactly in fp32) and
+the same fold in ``_decode_combine_kernel``, or in the same program when a single split
+covers the block table.
 
-Why the bits match: the tile shape [BLOCK_M, BLOCK_N] x D, num_warps and the dtype fix the
-MMA instruction and the register layout, hence the order of the in-tile reductions; both
-entry points use the same config. Tiles past a row's limit inside a program's loop are
-exact no-ops (p = 0, alpha = 1); tiles every row of a program sees whole skip the mask
-(it would select s everywhere); masked loads read zeros for K and V, so garbage or NaN in
-unused cache slots never reaches a result. Rows are independent in every step, so which
-other rows share a tile (prefill: BLOCK_M consecutive positions of one head; decode: the
-query heads of one KV-head group, padded) does not matter. FMA contraction is disabled
-(``enable_fp_fusion=False``) so the compiler cannot fuse a mul/add pair in one kernel and
-not in another; the two fusions the core wants are written as explicit ``tl.fma``.
-Compiled for sm_90a, the prefill and decode kernels carry the same wgmma shapes and the
-same counts of ex2 / fma / max / shuffle instructions (``eval/probe_attention.py --aot
---check``, run by the CPU test suite).
+Why the bits match: the MMA instruction shape, the rows each warp owns (block_m /
+num_warps = 16) and the dtype fix the register layout, hence the order of the in-tile
+reductions; decode programs use the config's (block_m, num_warps) and bf16 prefill
+programs ``prefill_subtiles`` times both, so every warp runs the same instructions on its
+own rows. Tiles past a row's limit inside a program's loop are exact no-ops (p = 0,
+alpha = 1); tiles every row of a program sees whole skip the mask (it would select s
+everywhere); masked loads read zeros for K and V, so garbage or NaN in unused cache slots
+never reaches a result. Rows are independent in every step, so which other rows share a
+tile (prefill: consecutive positions of one head; decode: the query heads of one KV-head
+group, padded) does not matter. FMA contraction is disabled (``enable_fp_fusion=False``)
+so the compiler cannot fuse a mul/add pair in one kernel and not in another; the two
+fusions the core wants are written as explicit ``tl.fma``. Compiled for sm_90a, prefill
+and decode carry the same wgmma shapes with one warp column (warpsPerCTA [w, 1]) and,
+for one core loop and one merge each, the same per-thread counts of wgmma / ex2 / fma /
+max instructions (``eval/probe_attention.py --aot --check``, run by the CPU test suite).
 
 Under the Triton interpreter (CPU tests) the dots are broadcast-multiply + sum in fp32
 (numpy's BLAS matmul changes a row's summation order with its row index) and bf16 casts
@@ -83,16 +87,19 @@ class FwdConfig:
             raise ValueError(f"prefill_subtiles must be a power of two >= 1, got {self}")
 
 
-# H200 choice (bf16, D = 128). Numerics: 64 x 64 tiles with one warpgroup (wgmma m64):
-# decode packs only the Hq/Hk query heads of a group into the 64 rows, so a larger
-# BLOCK_M would double its wasted MMA work (at 128 rows decode turns compute-bound and
-# measured 1.3-2x slower). kv_split = 1024: decode gets B x Hk x ceil(ctx / 1024)
-# programs (B1 x 8K: 64 before head chunking, 4x what 2048 gave... 2x), prefill restarts
-# its online softmax every 16 tiles. Scheduling: prefill runs 2 sub-tiles per program
-# (128 rows, 8 warps: measured 397 / 465 TFLOP/s at 4K / 16K vs 365 / 409 with 64 rows),
-# 3 stages (4 stages measured 230 TFLOP/s at 64 rows). eval/probe_attention.py times the
-# alternatives in CUDA graphs (kv_split 512 / 1024 / 2048, sub-tiles, stages, flatten)
-# and checks each for prefill == decode bits; change this line from its table.
+# H200 choice (bf16, D = 128). Numerics: 64 x 64 tiles, one warpgroup (wgmma m64).
+# Decode packs only the Hq/Hk query heads of a group into its 64 rows, so 128-row tiles
+# double its wasted MMA work (measured 1.3-2x slower decode). kv_split = 1024 (was 2048):
+# decode at small batch and long context gets 2x the programs (B1 x 8K: 8 splits x 8 KV
+# heads) without chunking the head group (which re-reads K/V); prefill restarts its online
+# softmax every 16 tiles instead of 32 (a pipeline drain per split). Scheduling: bf16
+# prefill runs 2 sub-tiles per program (128 rows, 8 warps; with 2048 splits measured 397 /
+# 465 TFLOP/s at 4K / 16K vs 365 / 409 with 64-row programs) at 3 stages (4 measured
+# worse at 64 rows). ptxas (sm_90a, D = 128): prefill 255 registers, 36 B spilled, 128
+# KiB shared memory (one program per SM); decode 255 registers, 112 KiB (two per SM).
+# eval/probe_attention.py times the alternatives from CUDA graphs (kv_split 512 / 1024 /
+# 2048, sub-tiles, stages) and checks each for prefill == decode bits; change this line
+# from its table.
 GPU_CONFIG = FwdConfig(block_m=64, block_n=64, num_warps=4, kv_split=1024, stages_prefill=3,
                        stages_decode=3, prefill_subtiles=2)
 # Interpreter: tiny tiles and a short split, so CPU tests cross several tiles and splits
@@ -111,7 +118,7 @@ def default_config() -> FwdConfig:
 
 
 def cdiv(a: int, b: int) -> int:
-    # Host-side ceil division (``triton.cdiv`` is a jit function: ~7 us per host call).
+    # Host-side ceil division: ``triton.cdiv`` is a ConstexprFunction (~1.5 us a call).
     return -(-a // b)
 
 

@@ -47,18 +47,18 @@ _EMULATE_RNE = interpreting()
 _MAX_BLOCK = 16384
 _CHUNK = 4096
 # Launch geometry per width (``norm_config``): a program takes ROWS rows of one block of
-# next_power_of_2(H) columns, ROWS * block = 4096 elements for rows up to 2048 wide: 32
-# values per thread with 4 warps, i.e. four 16-byte loads of bf16 in flight per thread
-# and 8 KiB read per program, so that small rows (q/k norm, H = 64..128) fill a program
-# with 32-64 rows instead of launching T * heads programs of 256 bytes. Triton lays a
-# [ROWS, block] tile out with 8 contiguous bf16 per thread, then up to 32 lanes and
-# min(num_warps, block / 256) warps along the row, the rest of the warps across rows; so
-# with num_warps = 4 every row is reduced by the same lanes and warps, in the same
-# order, as with the earlier 2048-element programs (sm_90 TTGIR of both: identical
-# per-row layouts), and no output bit moved. Rows of 4096 and more keep one row per
-# program with 512 columns per warp. ``eval/bench_pointwise.py --sweep`` times the
-# alternatives in ``norm_candidates`` (and reports whether each keeps these bits).
+# next_power_of_2(H) columns, 4096 elements for rows up to 2048 wide: 32 values (four
+# 16-byte bf16 loads) in flight per thread with 4 warps, 8 KiB read per program, so q/k
+# norm rows (H = 64..128) fill a program 32-64 at a time instead of launching T * heads
+# programs of 256 bytes. Triton lays a [ROWS, block] tile out with 8 contiguous bf16 per
+# thread, up to 32 lanes and min(num_warps, block / 256) warps along the row and the
+# other warps across rows: with 4 warps every row is reduced by the same lanes and warps
+# in the same order as with the earlier 2048-element programs (identical sm_90 TTGIR
+# layouts per row, bf16 and fp32, with and without residual), so no bit should move;
+# ``eval/bench_pointwise.py --sweep`` times ``norm_candidates`` and checks their bits.
+# Rows of 4096 and more keep one row per program with 512 columns per warp.
 _ELEMS_PER_PROGRAM = 4096
+_BWD_ELEMS_PER_BLOCK = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,13 +299,16 @@ def _backward(x, d_normed, d_summed, weight, eps):
         dx2, dw = _backward_torch(x2, dy2, ds2, w, eps)
         return dx2.view(x.shape), dw.to(weight.dtype)
     n_rows = x2.shape[0]
-    rows_per_prog = triton.cdiv(triton.cdiv(n_rows, _bwd_programs(x.device)), cfg.rows) * cfg.rows
+    # 2048 elements per block of rows: the backward holds x, dy, w and the dW partial in
+    # registers, ~100-120 per thread at this size (sm_90 ptxas) and ~190-210 at 4096.
+    rows = max(1, _BWD_ELEMS_PER_BLOCK // cfg.block)
+    rows_per_prog = triton.cdiv(triton.cdiv(n_rows, _bwd_programs(x.device)), rows) * rows
     n_progs = triton.cdiv(n_rows, rows_per_prog)
     dx2 = torch.empty_like(x2)
     dw_part = torch.empty((n_progs, hidden), dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(n_progs,)](
         x2, dy2, ds2 if ds2 is not None else dy2, w, dx2, dw_part, n_rows, rows_per_prog, eps,
-        H=hidden, BLOCK=cfg.block, ROWS=cfg.rows, HAS_DSUM=ds2 is not None,
+        H=hidden, BLOCK=cfg.block, ROWS=rows, HAS_DSUM=ds2 is not None,
         EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
     )
     return dx2.view(x.shape), dw_part.sum(0).to(weight.dtype)

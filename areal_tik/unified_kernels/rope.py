@@ -186,8 +186,8 @@ def _launch(q, k, positions, cos, sin, backward: bool, config: RopeConfig | None
     n_tokens, hq, d = q.shape
     hk = k.shape[1]
     cfg = config or rope_config(hq, hk, d)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     _rope_kernel[((n_tokens + cfg.tokens - 1) // cfg.tokens,)](
         q, k, q_out, k_out, positions, cos, sin, n_tokens, cos.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -28,6 +28,7 @@ from ._rounding import cast_rne
 # Kernels round with integer ops under the interpreter (see _rounding.py).
 _EMULATE_RNE = interpreting()
 
+
 @dataclasses.dataclass(frozen=True)
 class SiluConfig:
     block: int  # columns per program (a power of two)
@@ -39,10 +40,11 @@ class SiluConfig:
 
 
 # 1024 columns per program with 4 warps: 8 contiguous elements per thread, one 16-byte
-# vector of bf16 per operand, and 4-6 KiB moved per program (94-96% of the copy
-# bandwidth at 16384 tokens on the H200). It divides the common intermediate sizes
-# (3072, 6144, 8192); others get one masked tail block per row. Elementwise, so the
-# geometry cannot change a bit; ``eval/bench_pointwise.py --sweep`` times the candidates.
+# vector of bf16 per operand, 4-6 KiB moved per program (91-96% of the 4.26 TB/s copy
+# bandwidth at 16384 tokens in the first H200 run). It divides the common intermediate
+# sizes (3072, 6144, 8192); others get one masked tail block per row. Elementwise, so
+# the geometry cannot change a bit; ``eval/bench_pointwise.py --sweep`` times the
+# candidates.
 _MAX_BLOCK = 1024
 _CONFIGS: dict[int, SiluConfig] = {}
 
@@ -128,7 +130,7 @@ def _forward(gate_up: torch.Tensor, config: SiluConfig | None = None) -> torch.T
     decode sizes the call's cost is its Python and launch overhead."""
     inter = gate_up.shape[-1] // 2
     gu = _rows(gate_up)
-    out = torch.empty((gu.shape[0], inter), dtype=gu.dtype, device=gu.device)
+    out = gu.new_empty((gu.shape[0], inter))
     cfg = config or silu_config(inter)
     _silu_mul_fwd_kernel[(gu.shape[0], (inter + cfg.block - 1) // cfg.block)](
         gu, out, gu.stride(0),
