@@ -102,7 +102,11 @@ _GPU_BUCKETS = {
     torch.bfloat16: (
         *((rows, _BF16_STREAM) for rows in (64, 128, 256)),  # 1, 2, 4 tile rows of 64
         (512, (_rung(64, 128, 4, 3), _rung(64, 64, 4, 6), _rung(64, 32, 4, 6))),
-        (1024, (_rung(128, 128, 4, 4), _rung(64, 128, 4, 4), _rung(64, 64, 4, 6))),
+        # 2026-11-30 H200: at 1024 rows the tiled 128x128 reached 0.61-0.83x cuBLAS while
+        # the persistent kernel reached 0.92-1.0x from 4096 rows; take it where it has
+        # at least two tiles per SM (wide N: LM head, gate_up).
+        (1024, (_rung(256, 128, 8, 3, "P", min_programs=2 * _MIN_PROGRAMS),
+                _rung(128, 128, 4, 4), _rung(64, 128, 4, 4), _rung(64, 64, 4, 6))),
         (None, (_rung(256, 128, 8, 3, "P", min_programs=2 * _MIN_PROGRAMS), _rung(256, 128, 8, 3),
                 _rung(128, 128, 4, 4), _rung(64, 128, 4, 4))),
     ),
