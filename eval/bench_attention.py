@@ -24,10 +24,6 @@ column. Writes a long-format CSV (device, versions, commit, date).
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import os
-import subprocess
 import sys
 import time
 import warnings
@@ -37,6 +33,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from eval.harness import run_info, write_csv  # noqa: E402
 
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -58,17 +55,6 @@ BACKWARD = (("1K", [1024]), ("4K", [4096]))
 QUICK_PREFILL, QUICK_DECODE, QUICK_BACKWARD = PREFILL[1:2], DECODE[:2], BACKWARD[:1]
 
 
-def run_info() -> dict:
-    commit = os.environ.get("AREAL_TIK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                    capture_output=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 FLUSH_BYTES = 128 << 20  # > 2x the H200's 50 MB L2
@@ -311,17 +297,6 @@ def summarize(rows) -> None:
                   f"graph {c['us_graph'] / r['us_graph']:.2f}x (target 0.8x)")
 
 
-def write_csv(rows, out: str) -> Path:
-    path = Path(out)
-    if path.suffix != ".csv":
-        path = path / "bench_attention.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def main(argv=None) -> None:
@@ -347,7 +322,7 @@ def main(argv=None) -> None:
     rows += bench_decode(QUICK_DECODE if quick else DECODE, args.block_size, args.rep_ms, info)
     rows += bench_backward(QUICK_BACKWARD if quick else BACKWARD, args.rep_ms, info)
     summarize(rows)
-    print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
+    print(f"wrote {write_csv(rows, args.out, 'bench_attention.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

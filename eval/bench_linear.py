@@ -26,13 +26,9 @@ to re-tune ``linear._GPU_BUCKETS``.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import importlib
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,8 +37,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from eval.harness import run_info, write_csv  # noqa: E402
 
-import triton  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
@@ -85,21 +81,6 @@ SWEEP_SHAPES = (  # (model, layer, K, N, tokens)
 )
 
 
-def run_info() -> dict:
-    commit = os.environ.get("AREAL_TIK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                    capture_output=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def _event_us(fn, calls: int) -> float:
@@ -245,17 +226,6 @@ def summarize(rows) -> None:
                   f"{met}/{len(ratios)} cases meet {target}x")
 
 
-def write_csv(rows, out: str) -> Path:
-    path = Path(out)
-    if path.suffix != ".csv":
-        path = path / "bench_linear.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def main(argv=None) -> None:
@@ -285,7 +255,7 @@ def main(argv=None) -> None:
             rows, losses = rows + new_rows, losses + new_losses
         print(f"sweep: table within 5% of the best in {sum(x <= 1.05 for x in losses)}/{len(losses)} "
               f"cases; worst {max(losses):.2f}x")
-    print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
+    print(f"wrote {write_csv(rows, args.out, 'bench_linear.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,8 @@ shape must be made before any log-prob is recorded).
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import datetime
 import importlib
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +27,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from eval.harness import run_info, write_csv  # noqa: E402
 
-import triton  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
@@ -53,17 +49,6 @@ SWEEP_TILES = (  # (block_t, block_v, block_k, split_v, group_t, num_warps, num_
 )
 
 
-def run_info() -> dict:
-    commit = os.environ.get("AREAL_TIK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                    capture_output=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def standard(hidden, weight, targets, temperature):
@@ -186,17 +171,6 @@ def _rows(info, model, V, H, T, mode, impl, config, res, ratio=None) -> list[dic
     return [{**base, "metric": key, "value": round(val, 5)} for key, val in metrics.items()]
 
 
-def write_csv(rows, out: str) -> Path:
-    path = Path(out)
-    if path.suffix != ".csv":
-        path = path / "bench_logprob.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def summarize(rows) -> None:
@@ -231,7 +205,7 @@ def main(argv=None) -> None:
     if args.sweep:
         rows += sweep(151936, 2048, (1, 64, 4096) if args.quick else (1, 64, 1024, 16384),
                       max(10, args.rep_ms // 2), info)
-    print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
+    print(f"wrote {write_csv(rows, args.out, 'bench_logprob.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,6 @@ change is meant to move bits) and no table kernel spills.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import functools
 import importlib
 import math
@@ -60,6 +58,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from eval.harness import run_info, write_csv  # noqa: E402
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -95,20 +94,6 @@ SWEEP_ROPE = ((16, 8, 128), (32, 8, 64))
 SWEEP_SILU = (3072, 6144, 8192)
 
 
-def run_info() -> dict:
-    commit = os.environ.get("AREAL_TIK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                    capture_output=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
-# ----------------------------------------------------------------------------- timing
 
 
 def _event_us(fn, calls: int) -> float:
@@ -477,17 +462,6 @@ def aot_main(check: bool) -> int:
     return 1 if failures else 0
 
 
-def write_csv(rows, out: str) -> Path:
-    path = Path(out)
-    if path.suffix != ".csv":
-        path = path / "bench_pointwise.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def main(argv=None) -> None:
@@ -517,7 +491,7 @@ def main(argv=None) -> None:
     print(f"main part: {time.time() - start:.0f} s", flush=True)
     if args.sweep:
         rows += sweep(max(10, args.rep_ms // 2), args.timer, info, start + args.budget_s)
-    print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
+    print(f"wrote {write_csv(rows, args.out, 'bench_pointwise.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,8 @@ Targets: unified >= 0.9x standard; engine >= 3x HF generate at batch 64.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import gc
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +29,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from eval.harness import run_info, write_csv  # noqa: E402
 
 from areal_tik.cli import RANDOM_INIT  # noqa: E402
 from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
@@ -45,25 +42,6 @@ QUICK = dict(batches=(1, 64), new_tokens=(256,))
 BACKENDS = ("unified", "standard", "hf")
 
 
-def run_info(device: str) -> dict:
-    import transformers
-    import triton
-
-    commit = os.environ.get("AREAL_TIK_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                    capture_output=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {
-        "device": torch.cuda.get_device_name() if device == "cuda" else device,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def make_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -186,17 +164,6 @@ def summarize(results) -> None:
         print(f"{batch:5d} {new:4d} {rates} {r1} {r2}")
 
 
-def write_csv(rows, out: str) -> Path:
-    path = Path(out)
-    if path.suffix != ".csv":
-        path = path / "bench_rollout.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(k for row in rows for k in row))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def main(argv=None) -> None:
@@ -235,7 +202,7 @@ def main(argv=None) -> None:
             for r in rows_for(args.model, b, batch, new, s, wbytes, info)]
     rows += ratio_rows(args.model, results, info)
     summarize(results)
-    print(f"wrote {write_csv(rows, args.out)} ({len(rows)} rows) in {time.time() - start:.0f} s")
+    print(f"wrote {write_csv(rows, args.out, 'bench_rollout.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

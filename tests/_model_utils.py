@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import random
 
-import pytest
 import torch
 
 from areal_tik.model import UnifiedCausalLM, missing_ops, random_model, tiny_config
@@ -14,11 +13,10 @@ from ._bits import assert_bitwise
 
 
 def require(kernels: str, names=OP_NAMES) -> None:
-    """Skip (naming the ops) while unified kernels needed here are not written yet."""
+    """Fail (naming the ops) if a unified kernel needed here cannot be loaded."""
     if kernels == "unified":
         missing = missing_ops("unified", names)
-        if missing:
-            pytest.skip(f"unified kernels not available yet: {missing}")
+        assert not missing, f"unified kernels unavailable: {missing}"
 
 
 # ----------------------------------------------------------------------------- models

@@ -64,8 +64,7 @@ def test_pass_through_subcommands_hand_over_their_arguments(capsys):
 
 def test_check_reports_bit_identical_logprobs(tmp_path, capsys):
     missing = missing_ops("unified")
-    if missing:
-        pytest.skip(f"unified kernels not available yet: {missing}")
+    assert not missing, f"unified kernels unavailable: {missing}"
     report = tmp_path / "check.json"
     rc = main(["check", "--model", "tiny-qwen3", *TINY, "--num-prompts", "2", "--prompt-len", "3", "20",
                "--temperature", "0.7", "--json", str(report), "--strict"])

@@ -458,6 +458,46 @@ def test_standard_ops_diagnosis_names_an_op(standard):
     assert 0 < result.num_tokens == 8
 
 
+def test_decode_staging_matches_per_row_inputs():
+    # Staged decode inputs equal the per-row values (padding rows: token 0, position 0,
+    # scratch slot, context 1, scratch table), also through a separate "device" buffer
+    # that receives only the copied prefix, as on a GPU.
+    from areal_tik.engine.decode_inputs import DecodeInputs
+    from areal_tik.engine.block_manager import SCRATCH_BLOCK
+    rng = random.Random(0)
+    blocks = BlockManager(64, 4)
+    staging = DecodeInputs(8, 6, blocks, torch.device("cpu"))
+    staging._dev = torch.full_like(staging._host, -7)  # stale values must never leak through
+    staging._bind_device_views()
+    for trial in range(6):
+        seqs = []
+        for i in range(rng.randint(1, 8)):
+            seq = Sequence(100 * trial + i, [rng.randrange(5, 50) for _ in range(rng.randint(1, 20))],
+                           SamplingParams(), rng.getrandbits(63))
+            seq.append(rng.randrange(5, 50), -1.0, 0)
+            blocks.allocate(seq)
+            seqs.append(seq)
+        rows = rng.randint(len(seqs), 8)
+        staging.stage(seqs, rows)
+        got = staging.model_inputs(rows)
+        pad = rows - len(seqs)
+        tables = [s.block_table + [SCRATCH_BLOCK] * (6 - len(s.block_table)) for s in seqs]
+        want = dict(input_ids=[s.last_token for s in seqs] + [0] * pad,
+                    positions=[s.num_tokens - 1 for s in seqs] + [0] * pad,
+                    slot_mapping=[blocks.slot(s, s.num_tokens - 1) for s in seqs] + [0] * pad,
+                    block_tables=tables + [[SCRATCH_BLOCK] * 6] * pad,
+                    context_lens=[s.num_tokens for s in seqs] + [1] * pad)
+        for name, values in want.items():
+            assert got[name].tolist() == values, name
+        keys, counters = staging.sample_keys(len(seqs))
+        assert keys.tolist() == [s.sample_key for s in seqs]
+        assert counters.tolist() == [s.num_output_tokens for s in seqs]
+        assert got["block_tables"].dtype == got["context_lens"].dtype == torch.int32
+        assert got["block_tables"].is_contiguous()
+        for seq in seqs:
+            blocks.free(seq)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -504,3 +544,23 @@ def test_gpu_preemption_and_graph_padding_bitwise():
         assert llm.num_preemptions > 0
     assert_same_outputs(squeezed, reference)
     assert_bitwise_logprobs(model, squeezed)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_staging_matches_eager_decode():
+    # The graph path reads the persistent staging buffer (inputs, sampling keys, padding
+    # rows); eager decode reads views of the same buffer without padding. Mixed prompt and
+    # output lengths make the batch shrink through several buckets.
+    model = UnifiedCausalLM.from_hf(random_model(published_config("Qwen3-0.6B"), device="cuda", seed=0),
+                                    kernels="unified")
+    prompts = _gpu_prompts(20, 5, model.config.vocab, 8, 90)
+    params = [SamplingParams(temperature=(1.0, 0.7, 0.0)[i % 3], max_new_tokens=8 + 4 * i, ignore_eos=True,
+                             seed=7 * i) for i in range(20)]
+    outs = {}
+    for graphs in (True, False):
+        config = EngineConfig(max_num_seqs=20, max_model_len=256, kv_block_size=16, cuda_graphs=graphs)
+        with LLM(model, config) as llm:
+            outs[graphs] = llm.generate(prompts, params)
+            assert (llm.runner.graph_replays > 0) == graphs
+    assert_same_outputs(outs[True], outs[False])
+    assert_bitwise_logprobs(model, outs[True])

@@ -51,6 +51,16 @@ class BlockManager:
             assert self._free, "append_slot() without can_append()"
             seq.block_table.append(self._free.popleft())
 
+    def try_append_slot(self, seq: Sequence) -> bool:
+        """``append_slot`` if ``can_append``, in one pass (the decode scheduler's per-row call)."""
+        table = seq.block_table
+        if len(table) * self.block_size >= len(seq.token_ids):
+            return True
+        if not self._free:
+            return False
+        table.append(self._free.popleft())
+        return True
+
     def free(self, seq: Sequence) -> None:
         # Most recently taken blocks go back first: they are the warmest in cache.
         self._free.extendleft(seq.block_table)

@@ -76,6 +76,7 @@ class LLM:
         self._resumed.set()
         self._inbox: queue.Queue = queue.Queue()
         self._futures: dict[int, Future] = {}
+        self._cancelled: set[int] = set()       # ids whose Future the caller cancelled
         self._seq_ids = itertools.count()
         self._keys = random.Random(config.seed)
         self._thread: threading.Thread | None = None
@@ -243,6 +244,7 @@ class LLM:
     def _enqueue(self, seq: Sequence) -> Future:
         future: Future = Future()
         self._futures[seq.seq_id] = future
+        future.add_done_callback(self._note_cancel(seq.seq_id))
         self._inbox.put(seq)
         self._ensure_thread()
         return future
@@ -307,11 +309,24 @@ class LLM:
         for seq in self.scheduler.postprocess(seqs, result.tokens, result.logprobs, self._version):
             self._complete(seq)
 
+    def _note_cancel(self, seq_id: int):
+        # Runs in whichever thread resolves the Future; set.add is atomic under the GIL.
+        # The engine then scans its queues only on steps after a cancellation.
+        def callback(future: Future) -> None:
+            if future.cancelled():
+                self._cancelled.add(seq_id)
+        return callback
+
     def _reap_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        ids = set(self._cancelled)
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if self._futures[seq.seq_id].cancelled():
+            if seq.seq_id in ids:
                 self.scheduler.abort(seq)
-                self._futures.pop(seq.seq_id)
+                self._futures.pop(seq.seq_id, None)
+        # Ids not found are still in the inbox (reaped on a later step) or already resolved.
+        self._cancelled.difference_update(i for i in ids if i not in self._futures)
 
     def _complete(self, seq: Sequence) -> None:
         self._resolve(seq, lambda f: f.set_result(seq.to_output()))

@@ -5,20 +5,25 @@ shared memory pool); the batch is padded to its bucket with rows that write and 
 only the scratch block 0, and since every op is row-invariant the padding changes no
 bits of the real rows. Prefill and CPU decode run eagerly.
 
-Per step the host sends one small set of index tensors and reads back the sampled tokens
-and their log-probs once; nothing syncs per token.
+Per decode step the host fills one persistent buffer in place and sends it with one copy
+(``DecodeInputs``; its device views are the graph inputs), and reads the sampled tokens
+and their log-probs back with one copy into a persistent pinned buffer; nothing syncs
+per token.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import sampler
-from .block_manager import SCRATCH_BLOCK, BlockManager
+from .block_manager import BlockManager
 from .config import EngineConfig
+from .decode_inputs import DecodeInputs
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -48,7 +53,11 @@ class ModelRunner:
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._buckets: list[int] = []  # sorted(self.graphs)
         self.graph_replays = 0  # decode steps served by a CUDA graph
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, config.max_blocks_per_seq,
+                                          self.block_manager, self.device)
+        self._init_result_buffers(config.max_num_seqs)
         if config.cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
 
@@ -138,30 +147,34 @@ class ModelRunner:
             logits_indices=self._to_device([c - 1 for c in cu[1:]], torch.int64),
         )
 
-    def prepare_decode(self, seqs: list[Sequence], pad_to: int, width: int) -> dict:
-        """Decode inputs for ``seqs`` padded to ``pad_to`` rows that touch only the scratch block."""
-        pad = pad_to - len(seqs)
-        scratch_slot = SCRATCH_BLOCK * self.block_size
-        tables = [s.block_table + [SCRATCH_BLOCK] * (width - len(s.block_table)) for s in seqs]
-        return dict(
-            input_ids=self._to_device([s.last_token for s in seqs] + [0] * pad, torch.int64),
-            positions=self._to_device([s.num_tokens - 1 for s in seqs] + [0] * pad, torch.int64),
-            slot_mapping=self._to_device(
-                [self.block_manager.slot(s, s.num_tokens - 1) for s in seqs] + [scratch_slot] * pad,
-                torch.int64),
-            block_tables=self._to_device(tables + [[SCRATCH_BLOCK] * width] * pad, torch.int32),
-            context_lens=self._to_device([s.num_tokens for s in seqs] + [1] * pad, torch.int32),
-        )
-
     # ------------------------------------------------------------------ forward
+
+    def _init_result_buffers(self, max_rows: int) -> None:
+        # [tokens | log-probs] of one step as fp64 (int64 ids < 2^53 and fp32 values are
+        # exact in fp64): one device buffer, one pinned host twin, one copy per step.
+        on_gpu = self.device.type == "cuda"
+        self._result_host = torch.empty(2 * max_rows, dtype=torch.float64, pin_memory=on_gpu)
+        self._result_dev = (torch.empty(2 * max_rows, dtype=torch.float64, device=self.device)
+                            if on_gpu else self._result_host)
+        self._result_np = self._result_host.numpy()
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
-        hidden = self._prefill(seqs) if is_prefill else self._decode(seqs)
-        tokens, logprobs = self.sample(hidden, seqs)
-        # One device-to-host copy per step; fp32 log-probs and token ids are exact in fp64.
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu()
-        return StepResult([int(t) for t in host[0].tolist()], host[1].tolist())
+        if is_prefill:
+            tokens, logprobs = self.sample(self._prefill(seqs), seqs)
+        else:
+            hidden = self._decode(seqs)
+            tokens, logprobs = self.sample(hidden, seqs, self.decode_inputs.sample_keys(len(seqs)))
+        n = len(seqs)
+        if 2 * n > self._result_host.numel():  # prefill batches are bounded by max_num_seqs too
+            self._init_result_buffers(n)
+        out = self._result_dev
+        out[:n].copy_(tokens)
+        out[n:2 * n].copy_(logprobs)
+        if out is not self._result_host:
+            self._result_host[:2 * n].copy_(out[:2 * n])  # blocking: waits for the step
+        values = self._result_np[:2 * n]
+        return StepResult(values[:n].astype(np.int64).tolist(), values[n:].tolist())
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         inputs = self.prepare_prefill(seqs)
@@ -169,46 +182,55 @@ class ModelRunner:
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         batch = len(seqs)
-        bucket = next((b for b in sorted(self.graphs) if b >= batch), None)
-        if bucket is None:
+        i = bisect.bisect_left(self._buckets, batch)
+        staging = self.decode_inputs
+        if i == len(self._buckets):
+            staging.stage(seqs, batch)
             width = max(len(s.block_table) for s in seqs)
-            return self.model.decode(cache=self.kv_cache, **self.prepare_decode(seqs, batch, width))
-        inputs = self.prepare_decode(seqs, bucket, self.config.max_blocks_per_seq)
-        for name, value in inputs.items():
-            self._graph_inputs[name][:bucket].copy_(value)
+            return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width))
+        bucket = self._buckets[i]
+        staging.stage(seqs, bucket)  # the graph reads the staging buffer's device views
         self.graphs[bucket].replay()
         self.graph_replays += 1
         return self._graph_outputs[bucket][:batch]
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, hidden: torch.Tensor, seqs: list[Sequence],
+               keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled tokens [B] and their fp32 log-probs [B], one LM-head pass per temperature.
 
         The log-prob of a row comes from the same (logits, lse) pass its token is sampled
         from, at its request's temperature (1.0 for greedy) over the full vocabulary.
         Rows are grouped by temperature because the op takes one float; the ops are
-        row-invariant, so the grouping changes no bits.
+        row-invariant, so the grouping changes no bits. ``keys`` are the device (request
+        keys, output counters) of the rows when already staged, else built here.
         """
+        params = seqs[0].params
+        if all(s.params is params for s in seqs):  # one request spec: no grouping pass
+            return self._sample_group(hidden, seqs, params.temperature, keys)
         groups: dict[float, list[int]] = {}
         for row, seq in enumerate(seqs):
             groups.setdefault(seq.params.temperature, []).append(row)
         if len(groups) == 1:
             (temperature, rows), = groups.items()
-            return self._sample_group(hidden, [seqs[r] for r in rows], temperature)
+            return self._sample_group(hidden, seqs, temperature, keys)
         tokens = torch.empty(len(seqs), dtype=torch.int64, device=hidden.device)
         logprobs = torch.empty(len(seqs), dtype=torch.float32, device=hidden.device)
         for temperature, rows in groups.items():
             index = self._to_device(rows, torch.int64)
-            tok, lp = self._sample_group(hidden[index], [seqs[r] for r in rows], temperature)
+            group_keys = None if keys is None else (keys[0][index], keys[1][index])
+            tok, lp = self._sample_group(hidden[index], [seqs[r] for r in rows], temperature, group_keys)
             tokens[index] = tok
             logprobs[index] = lp
         return tokens, logprobs
 
-    def _sample_group(self, hidden, seqs: list[Sequence], temperature: float):
+    def _sample_group(self, hidden, seqs: list[Sequence], temperature: float, keys=None):
         logprob_t = seqs[0].params.logprob_temperature
         logits, lse = self.model.logits_lse(hidden, logprob_t)
-        keys = self._to_device([[s.sample_key for s in seqs], [s.num_output_tokens for s in seqs]], torch.int64)
+        if keys is None:
+            keys = self._to_device([[s.sample_key for s in seqs], [s.num_output_tokens for s in seqs]],
+                                   torch.int64)
         top_k = top_p = None
         if any(s.params.top_k for s in seqs):
             top_k = self._to_device([s.params.top_k for s in seqs], torch.int64)
@@ -223,17 +245,7 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         cfg = self.config
         sizes = cfg.cuda_graph_sizes or graph_buckets(min(cfg.max_graph_batch_size, cfg.max_num_seqs))
-        max_bs = max(sizes)
-        width = cfg.max_blocks_per_seq
         dev = self.device
-        scratch_slot = SCRATCH_BLOCK * self.block_size
-        self._graph_inputs = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), scratch_slot, dtype=torch.int64, device=dev),
-            block_tables=torch.full((max_bs, width), SCRATCH_BLOCK, dtype=torch.int32, device=dev),
-            context_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-        )
         self._graph_outputs: dict[int, torch.Tensor] = {}
         pool = None
         try:
@@ -244,10 +256,13 @@ class ModelRunner:
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {exc}", RuntimeWarning, stacklevel=2)
             self.graphs.clear()
             self._graph_outputs.clear()
+        self._buckets = sorted(self.graphs)
         torch.cuda.synchronize(dev)
 
     def _capture_one(self, bs: int, pool):
-        inputs = {name: t[:bs] for name, t in self._graph_inputs.items()}
+        # The staging buffer holds padding rows here (scratch block only); its device views
+        # are the graph's inputs, so a step's one staging copy feeds the replay.
+        inputs = self.decode_inputs.model_inputs(bs)
         self.model.decode(cache=self.kv_cache, **inputs)  # warm-up: compiles kernels for this shape
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()

@@ -66,16 +66,16 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Sequence]:
         batch: list[Sequence] = []
+        try_append_slot = self.blocks.try_append_slot
         while self.running:
             seq = self.running.popleft()
-            while not self.blocks.can_append(seq):
+            while not try_append_slot(seq):
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
                     self._preempt(seq)
                     break
             else:
-                self.blocks.append_slot(seq)
                 batch.append(seq)
         self.running.extend(batch)
         return batch
@@ -117,6 +117,8 @@ class Scheduler:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+        num_tokens = len(seq.token_ids)  # per row and step: plain lengths, not properties
+        if (num_tokens - len(seq.prompt_ids) >= params.max_new_tokens
+                or num_tokens >= self.config.max_model_len):
             return "length"
         return None

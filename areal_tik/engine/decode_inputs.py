@@ -1,0 +1,112 @@
+"""Persistent decode-step inputs: one host buffer filled in place, one copy to the device.
+
+A decode step needs, per row, the input token, its position, its KV slot, the sampling
+key and output index, the context length and the block table. Building five or six small
+tensors per step (each a host allocation, a pinned staging copy and a transfer, then a
+copy into the CUDA-graph inputs) costs far more host time than the values themselves.
+Here every value lives in one flat int32 buffer, allocated once (pinned on a GPU) with a
+device twin whose views ARE the CUDA-graph inputs:
+
+    words [0, 10 * max_bs)            five int64 rows of max_bs: input_ids, positions,
+                                      slot_mapping, sample keys, output counters
+    words [10 * max_bs, 11 * max_bs)  int32 context_lens
+    words [11 * max_bs, ...)          int32 block_tables [max_bs, width]
+
+A step writes rows [0, rows) through numpy views and copies the prefix that holds them
+(all int64 rows, the context lengths and the first ``rows`` table rows: contiguous) with
+a single host-to-device copy. The step ends by reading its sampled tokens back, which
+waits for that copy, so the host buffer is normally free when the next step fills it; an
+event recorded after the copy guards the case of a step that failed before that read.
+Rows past the real batch are padding: token 0 at position 0, writing and reading only
+the scratch block, context length 1 (the same values the eager path used).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .block_manager import SCRATCH_BLOCK, BlockManager
+from .sequence import Sequence
+
+_INT64_ROWS = ("input_ids", "positions", "slot_mapping", "keys", "counters")
+
+
+class DecodeInputs:
+    def __init__(self, max_bs: int, width: int, block_manager: BlockManager, device: torch.device):
+        self.max_bs = max_bs
+        self.width = width
+        self.blocks = block_manager
+        self.device = device
+        self._scratch_slot = SCRATCH_BLOCK * block_manager.block_size
+        words = 11 * max_bs + max_bs * width
+        on_gpu = device.type == "cuda"
+        self._host = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
+        self._dev = torch.zeros(words, dtype=torch.int32, device=device) if on_gpu else self._host
+        self._copied = torch.cuda.Event() if on_gpu else None  # the last staging copy
+        host = self._host.numpy()
+        self._np64 = host[:10 * max_bs].view(np.int64).reshape(5, max_bs)
+        self._np_ctx = host[10 * max_bs:11 * max_bs]
+        self._np_tables = host[11 * max_bs:].reshape(max_bs, width)
+        self._fill_padding(0, max_bs)
+        self._bind_device_views()
+
+    def _bind_device_views(self) -> None:
+        max_bs = self.max_bs
+        if self._dev is not self._host:
+            self._dev.copy_(self._host)
+        dev64 = self._dev[:10 * max_bs].view(torch.int64).view(5, max_bs)
+        self._rows64 = dict(zip(_INT64_ROWS, dev64.unbind(0)))
+        self._ctx = self._dev[10 * max_bs:11 * max_bs]
+        self._tables = self._dev[11 * max_bs:].view(max_bs, self.width)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        ids, positions, slots, keys, counters = self._np64
+        ids[start:end] = 0
+        positions[start:end] = 0
+        slots[start:end] = self._scratch_slot
+        keys[start:end] = 0
+        counters[start:end] = 0
+        self._np_ctx[start:end] = 1
+        self._np_tables[start:end] = SCRATCH_BLOCK
+
+    def stage(self, seqs: list[Sequence], rows: int) -> None:
+        """Write ``seqs`` into rows [0, len(seqs)), padding up to ``rows``; copy to the device."""
+        n = len(seqs)
+        assert n <= rows <= self.max_bs, (n, rows, self.max_bs)
+        if self._copied is not None:
+            self._copied.synchronize()  # already complete unless the last step failed early
+        block_size = self.blocks.block_size
+        ids, positions, slots, keys, counters = self._np64
+        tables = self._np_tables
+        tables[:rows] = SCRATCH_BLOCK
+        lens = [s.num_tokens for s in seqs]
+        for i, (seq, length) in enumerate(zip(seqs, lens)):
+            table = seq.block_table
+            tables[i, :len(table)] = table
+            position = length - 1
+            slots[i] = table[position // block_size] * block_size + position % block_size
+        ids[:n] = [s.token_ids[-1] for s in seqs]
+        positions[:n] = lens
+        positions[:n] -= 1
+        keys[:n] = [s.sample_key for s in seqs]
+        counters[:n] = [s.num_output_tokens for s in seqs]
+        self._np_ctx[:n] = lens
+        if rows > n:
+            self._fill_padding(n, rows)
+        if self._dev is not self._host:
+            end = 11 * self.max_bs + rows * self.width
+            self._dev[:end].copy_(self._host[:end], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+
+    def model_inputs(self, rows: int, width: int | None = None) -> dict:
+        """The ``decode`` keyword arguments: device views of rows [0, rows), ``width`` table columns."""
+        width = self.width if width is None else width
+        r = self._rows64
+        return dict(input_ids=r["input_ids"][:rows], positions=r["positions"][:rows],
+                    slot_mapping=r["slot_mapping"][:rows], block_tables=self._tables[:rows, :width],
+                    context_lens=self._ctx[:rows])
+
+    def sample_keys(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device (keys, counters) of rows [0, rows), int64."""
+        return self._rows64["keys"][:rows], self._rows64["counters"][:rows]
