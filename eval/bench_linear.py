@@ -37,7 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from eval.harness import run_info, write_csv  # noqa: E402
+from eval.harness import event_us, graph_times, run_info, write_csv  # noqa: E402
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -83,36 +83,6 @@ SWEEP_SHAPES = (  # (model, layer, K, N, tokens)
 
 
 
-def _event_us(fn, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
-
-
-def _graph_times(fns, est_us: float, rep_ms: int, out_bytes: int) -> list[float]:
-    """Per-call us of ``fns`` (cycled) replayed from one CUDA graph, 5 replays of ~rep_ms/5."""
-    # Bound the calls per graph by time and by output memory (each call allocates its output).
-    calls = min(rep_ms * 1e3 / 5 / est_us, 2000, 2 ** 32 / out_bytes)
-    calls = len(fns) * max(1, math.ceil(calls / len(fns)))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on the capture stream (library workspaces)
-        for fn in fns:
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = [_event_us(graph.replay, 1) / calls for _ in range(5)]
-    del graph
-    return times
 
 
 def time_us(make_fn, m, k, n, rep_ms, timer) -> tuple[float, float, float, str]:
@@ -121,11 +91,11 @@ def time_us(make_fn, m, k, n, rep_ms, timer) -> tuple[float, float, float, str]:
     fn = make_fn(x, w)
     fn()
     torch.cuda.synchronize()
-    est = _event_us(fn, 3)
+    est = event_us(fn, 3)
     if timer == "graph" and est < GRAPH_MAX_US:
         copies = max(1, min(32, math.ceil(ROTATE_BYTES / (2 * (m * k + n * k)))))
         fns = [fn] + [make_fn(*inputs(m, k, n, seed=i)) for i in range(1, copies)]
-        times = sorted(_graph_times(fns, est, rep_ms, 2 * m * n))
+        times = sorted(graph_times(fns, est, rep_ms, 2 * m * n))
         del fns
         return statistics.median(times), times[1], times[-2], "graph"
     med, p20, p80 = do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])

@@ -58,7 +58,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from eval.harness import run_info, write_csv  # noqa: E402
+from eval.harness import event_us, graph_times, run_info, write_csv  # noqa: E402
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
@@ -96,35 +96,6 @@ SWEEP_SILU = (3072, 6144, 8192)
 
 
 
-def _event_us(fn, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
-
-
-def _graph_us(fns, est_us: float, rep_ms: int) -> list[float]:
-    """Per-call us of ``fns`` (cycled) replayed from one CUDA graph, 5 replays."""
-    calls = min(max(rep_ms * 1e3 / 5 / est_us, 20), 2000)
-    calls = len(fns) * max(1, math.ceil(calls / len(fns)))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on the capture stream
-        for fn in fns:
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = [_event_us(graph.replay, 1) / calls for _ in range(5)]
-    del graph
-    return times
 
 
 def time_fns(fns, nbytes: float, rep_ms: int, timer: str, eager: bool = True) -> dict:
@@ -133,13 +104,13 @@ def time_fns(fns, nbytes: float, rep_ms: int, timer: str, eager: bool = True) ->
     fn = fns[0]
     fn()
     torch.cuda.synchronize()
-    est = _event_us(fn, 3)
+    est = event_us(fn, 3)
     res = {}
     if eager:
         calls = int(min(EAGER_CALLS, max(5, rep_ms * 1e3 / 3 / est)))
-        res["eager_us"] = statistics.median(_event_us(fn, calls) for _ in range(3))
+        res["eager_us"] = statistics.median(event_us(fn, calls) for _ in range(3))
     if timer == "graph" and est < GRAPH_MAX_US:
-        times = sorted(_graph_us(fns, est, rep_ms))
+        times = sorted(graph_times(fns, est, rep_ms))
         us, p20, p80, used = statistics.median(times), times[1], times[-2], "graph"
     else:
         med, p20, p80 = do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])

