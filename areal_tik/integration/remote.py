@@ -1,0 +1,181 @@
+"""AReaL's ``RemoteInfEngine`` over areal-tik servers (``server.py``).
+
+``TikServerBackend`` is the backend object ``RemoteInfEngine(config, backend)`` takes, in
+the shape of AReaL's SGLang backend (same endpoints and payloads where they exist), so
+AReaL drives an areal-tik server as it drives SGLang. Its parser also returns the
+per-token weight versions the server recorded (``TikGenerationResult.output_versions``).
+
+Stock ``RemoteInfEngine.agenerate`` stamps every token with the client's version at
+request time, which is wrong for tokens sampled after a weight update landed mid-request
+and would make the trainer reuse (or refuse) the wrong tokens. ``TikRemoteInfEngine``
+is ``RemoteInfEngine`` with an ``agenerate`` that keeps the server's versions instead,
+so reuse of rollout log-probs stays exact.
+"""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal.api import ModelRequest, ModelResponse
+from areal.api.io_struct import HttpGenerationResult, HttpRequest, WeightUpdateRequests
+from areal.infra import RemoteInfEngine, workflow_context
+from areal.infra.utils.http import arequest_with_retry
+
+
+@dataclass
+class TikGenerationResult(HttpGenerationResult):
+    """``HttpGenerationResult`` plus the weight version of each output token."""
+
+    output_versions: list[int] = field(default_factory=list)
+
+
+class TikServerBackend:
+    """Request builder / response parser for an areal-tik server (SGLang-shaped)."""
+
+    def build_generation_request(self, req: ModelRequest, with_lora: bool, version: int) -> HttpRequest:
+        g = req.gconfig
+        if with_lora:
+            raise NotImplementedError("LoRA is not supported by the areal-tik engine")
+        if g.use_beam_search:
+            raise NotImplementedError("beam search is not supported by the areal-tik engine")
+        sampling = {
+            "top_p": g.top_p, "top_k": g.top_k, "max_new_tokens": g.max_new_tokens,
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "stop_token_ids": [int(t) for t in (g.stop_token_ids or []) if t is not None],
+            "ignore_eos": g.ignore_eos, "frequency_penalty": g.frequency_penalty,
+            "min_new_tokens": g.min_new_tokens,
+        }
+        if g.stop:
+            sampling["stop"] = g.stop  # refused by the server with a 400 naming it
+        payload = {"input_ids": list(req.input_ids), "image_data": req.image_data,
+                   "sampling_params": sampling, "return_logprob": True, "stream": False}
+        return HttpRequest(endpoint="/generate", payload=payload)
+
+    def parse_generation_response(self, response: dict[str, Any]) -> TikGenerationResult:
+        meta = response["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        versions = [int(v) for v in meta["output_token_versions"]]
+        if len(versions) != len(pairs):
+            raise ValueError(f"server returned {len(pairs)} tokens but {len(versions)} versions")
+        return TikGenerationResult(
+            output_tokens=[int(p[1]) for p in pairs], output_logprobs=[float(p[0]) for p in pairs],
+            stop_reason=meta["finish_reason"]["type"], output_versions=versions)
+
+    def build_score_request(self, input_ids, target_len, with_lora, version) -> HttpRequest:
+        raise NotImplementedError("the areal-tik server does not score prompts (compute_logp)")
+
+    def parse_score_response(self, response, target_len) -> list[float]:
+        raise NotImplementedError("the areal-tik server does not score prompts (compute_logp)")
+
+    def build_disk_weight_update_requests(self, meta) -> WeightUpdateRequests:
+        if meta.use_lora:
+            raise NotImplementedError("LoRA is not supported by the areal-tik engine")
+        payload = {"model_path": str(meta.path), "abort_all_requests": False,
+                   "weight_version": meta.version}
+        return WeightUpdateRequests(requests=[HttpRequest(endpoint="/update_weights_from_disk", payload=payload)])
+
+    def build_distributed_weight_update_requests(self, meta, param_specs) -> WeightUpdateRequests:
+        raise NotImplementedError("the areal-tik server loads weights from disk only "
+                                  "(weight_update_mode='disk')")
+
+    def build_init_weights_group_request(self, addr, server_idx, meta) -> HttpRequest:
+        raise NotImplementedError("the areal-tik server loads weights from disk only "
+                                  "(weight_update_mode='disk')")
+
+    def get_pause_request(self) -> HttpRequest:
+        return HttpRequest(endpoint="/pause_generation", payload={})
+
+    def get_resume_request(self) -> HttpRequest:
+        return HttpRequest(endpoint="/continue_generation", payload={})
+
+    def get_health_check_request(self) -> HttpRequest:
+        return HttpRequest(endpoint="/health", payload={}, method="GET")
+
+    def get_version_request(self) -> HttpRequest:
+        return HttpRequest(endpoint="/get_weight_version", payload={}, method="GET")
+
+    def get_offload_request(self) -> HttpRequest:
+        raise NotImplementedError("offloading the areal-tik server is not supported")
+
+    def get_onload_request(self, tags=None) -> HttpRequest:
+        raise NotImplementedError("onloading the areal-tik server is not supported")
+
+    def launch_server(self, server_args: dict[str, Any]) -> subprocess.Popen:
+        """Start ``python -m areal_tik.integration.server`` with ``model``/``host``/``port``
+        (``model_path`` accepted for SGLang-style args) and optional engine options."""
+        model = server_args.get("model") or server_args.get("model_path")
+        if not model:
+            raise ValueError(f"server_args needs 'model' (or 'model_path'), got {sorted(server_args)}")
+        cmd = [sys.executable, "-m", "areal_tik.integration.server", "--model", str(model),
+               "--host", str(server_args.get("host", "127.0.0.1")), "--port", str(server_args.get("port", 0))]
+        for key in ("dtype", "kernels", "device", "max_num_seqs", "max_model_len", "seed"):
+            if server_args.get(key) is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(server_args[key])]
+        return subprocess.Popen(cmd)
+
+
+class TikRemoteInfEngine(RemoteInfEngine):
+    """``RemoteInfEngine`` whose responses carry the server's per-token weight versions."""
+
+    is_areal_tik_engine = True
+
+    def __init__(self, config, backend: TikServerBackend | None = None):
+        super().__init__(config, backend or TikServerBackend())
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Like ``RemoteInfEngine.agenerate`` (one server per rid, resume after an abort),
+        with ``output_versions`` from the server."""
+        req = req.copy()
+        g = req.gconfig
+        if g.n_samples != 1:
+            raise ValueError(f"one request samples one sequence; got n_samples={g.n_samples}")
+        if req.image_data or req.vision_msg_vllm:
+            raise ValueError("the areal-tik engine serves text-only decoder models; this request has images")
+        max_new = min(g.max_tokens - len(req.input_ids), g.max_new_tokens)
+        if max_new <= 0:
+            raise ValueError(f"no room to generate: max_tokens={g.max_tokens}, prompt has "
+                             f"{len(req.input_ids)} tokens")
+        g.max_new_tokens = max_new
+        addr = self._server_for(req.rid)
+        session = await workflow_context.get_aiohttp_session()
+        start = time.perf_counter()
+        prompt_len = len(req.input_ids)
+        tokens, logprobs, versions, stop_reason = [], [], [], None
+        while stop_reason not in ("stop", "tool_calls", "length") and len(tokens) < max_new:
+            while self.workflow_executor.is_paused():
+                await asyncio.sleep(0.05)
+            http_req = self.backend.build_generation_request(req, with_lora=False, version=self.get_version())
+            result = await arequest_with_retry(
+                session=session, addr=addr, endpoint=http_req.endpoint, payload=http_req.payload,
+                method=http_req.method, max_retries=self.config.request_retries,
+                timeout=self.config.request_timeout)
+            if not isinstance(result, dict):
+                raise ValueError(f"expected a JSON object from the server, got {type(result).__name__}")
+            out = self.backend.parse_generation_response(result)
+            stop_reason = out.stop_reason
+            tokens += out.output_tokens
+            logprobs += out.output_logprobs
+            versions += out.output_versions
+            req.input_ids = list(req.input_ids) + out.output_tokens
+            g.max_new_tokens -= len(out.output_tokens)
+        if stop_reason == "abort":  # left the loop with the budget spent
+            stop_reason = "length"
+        latency = time.perf_counter() - start
+        return ModelResponse(
+            input_tokens=list(req.input_ids[:prompt_len]), output_tokens=tokens,
+            output_logprobs=logprobs, output_versions=versions, stop_reason=stop_reason,
+            tokenizer=req.tokenizer, processor=req.processor, latency=latency, ttft=latency)
+
+    def _server_for(self, rid) -> str:
+        # One server per request id (AReaL keeps a multi-turn conversation on one KV cache).
+        with self.lock:
+            if rid not in self.rid_to_address:
+                self.rid_to_address[rid] = self.choose_server()
+                self.rid_queue.append(rid)
+                if len(self.rid_queue) > 128:
+                    self.rid_to_address.pop(self.rid_queue.pop(0), None)
+            return self.rid_to_address[rid]

@@ -1,0 +1,291 @@
+"""Server mode of the areal-tik rollout engine: an HTTP server around ``areal_tik.engine.LLM``
+with the SGLang-like endpoints AReaL's ``RemoteInfEngine`` drives (see ``remote.py``).
+
+Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status):
+
+- ``POST /generate``: ``{"input_ids": [...], "sampling_params": {temperature, top_k, top_p,
+  max_new_tokens, stop_token_ids, ignore_eos, seed}}`` -> ``{"output_ids": [...],
+  "meta_info": {"output_token_logprobs": [[logprob, token, null], ...],
+  "output_token_versions": [...], "finish_reason": {"type": ...}, "prompt_tokens",
+  "completion_tokens", "weight_version", "logprobs_match_sampling"}}``. Each token's
+  version is the engine's version when it was sampled (not the client's).
+- ``POST /pause_generation`` / ``POST /continue_generation``: stop / restart stepping;
+  requests in flight wait (they are not aborted) and continue after the resume.
+- ``POST /update_weights_from_disk``: ``{"model_path": dir, "weight_version": int | null}``
+  loads every ``*.safetensors`` file of ``dir`` and calls ``LLM.update_weights`` (default
+  version: current + 1); running sequences go back to prefill.
+- ``GET /health``, ``GET /get_weight_version`` (``{"weight_version": int}``).
+
+``python -m areal_tik.integration.server --model <path> --port N`` serves a checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from pathlib import Path
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+# SGLang sampling options the engine ignores harmlessly (text-side options; no ids change).
+_IGNORED = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"}
+_UNSUPPORTED_NONZERO = ("frequency_penalty", "presence_penalty", "min_new_tokens")
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (HTTP 400)."""
+
+
+def sampling_params_from_json(sp, vocab_size: int) -> "SamplingParams":  # noqa: F821
+    """An ``areal_tik.engine.SamplingParams`` from an SGLang-style ``sampling_params`` dict;
+    BadRequest names the option or value that is not served. top_k < 0 or >= vocab_size
+    means no top-k filter (SGLang's -1, AReaL's huge default), as 0 does."""
+    from areal_tik.engine import SamplingParams
+
+    if not isinstance(sp, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(sp).__name__}")
+    sp = dict(sp)
+    for name in _UNSUPPORTED_NONZERO:
+        value = sp.pop(name, 0)
+        if value not in (0, 0.0, None):
+            raise BadRequest(f"{name} is not implemented by the areal-tik engine, got {value!r}")
+    if sp.pop("stop", None):
+        raise BadRequest("stop strings are not implemented by the areal-tik engine (use stop_token_ids)")
+    for name in _IGNORED:
+        sp.pop(name, None)
+    top_k = sp.pop("top_k", 0)
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and not 0 <= top_k < vocab_size:
+        top_k = 0
+    kwargs = dict(top_k=top_k, stop_token_ids=tuple(sp.pop("stop_token_ids", None) or ()))
+    for name in ("temperature", "top_p", "max_new_tokens", "ignore_eos", "seed"):
+        if name in sp:
+            kwargs[name] = sp.pop(name)
+    if sp:
+        raise BadRequest(f"unknown sampling_params {sorted(sp)}")
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def load_safetensors_dir(path, device) -> dict:
+    """``{name: tensor}`` from every ``*.safetensors`` file in the directory ``path``."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        raise BadRequest(f"model_path {str(path)!r} is not a directory holding *.safetensors files")
+    state: dict = {}
+    for f in files:
+        state.update(load_file(str(f), device=str(device)))
+    return state
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class TikServer:
+    """The aiohttp application around one ``LLM``, served from a background thread by
+    ``start()`` (port 0 binds an ephemeral port; ``address`` then names it)."""
+
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 0):
+        self.llm = llm
+        self.host = host
+        self.port = port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._weights_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ app
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([
+            web.post("/generate", self.generate), web.get("/health", self.health),
+            web.get("/health_generate", self.health), web.get("/get_weight_version", self.weight_version),
+            web.post("/pause_generation", self.pause), web.post("/continue_generation", self.resume),
+            web.post("/update_weights_from_disk", self.update_weights_from_disk)])
+        return app
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def _json(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    # ------------------------------------------------------------------ handlers
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            if body.get("image_data"):
+                raise BadRequest("the areal-tik engine serves text-only models; got image_data")
+            if body.get("lora_path"):
+                raise BadRequest("LoRA is not supported by the areal-tik engine")
+            params = sampling_params_from_json(body.get("sampling_params", {}), self.llm.vocab_size)
+            ids = body.get("input_ids")
+            if not isinstance(ids, list):
+                raise BadRequest(f"input_ids must be a list of token ids, got {type(ids).__name__}")
+            future = self.llm.submit(ids, params)   # validates: ValueError/TypeError name the value
+        except (BadRequest, ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        except RuntimeError as exc:  # engine closed
+            return _error(503, str(exc))
+        try:
+            out = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()  # client went away: abort the request at the next step
+            raise
+        except Exception as exc:  # the engine step failed
+            logger.exception("generation failed")
+            return _error(500, f"generation failed: {exc}")
+        meta = {
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(out.logprobs, out.token_ids)],
+            "output_token_versions": list(out.versions),
+            "finish_reason": {"type": out.finish_reason},
+            "prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.token_ids),
+            "weight_version": self.llm.version,
+            "logprob_temperature": out.logprob_temperature,
+            "logprobs_match_sampling": out.logprobs_match_sampling,
+        }
+        return web.json_response({"output_ids": list(out.token_ids), "meta_info": meta})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "paused": self.llm.paused})
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.llm.version})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        await asyncio.get_running_loop().run_in_executor(None, self.llm.pause)
+        return web.json_response({"success": True, "paused": True})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.llm.resume()
+        return web.json_response({"success": True, "paused": False})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            path = body.get("model_path")
+            if not isinstance(path, str) or not path:
+                raise BadRequest(f"model_path must be a directory path, got {path!r}")
+            version = body.get("weight_version")
+            if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+                raise BadRequest(f"weight_version must be an int >= 0, got {version!r}")
+            loop = asyncio.get_running_loop()
+            async with self._weights_lock:
+                state = await loop.run_in_executor(None, load_safetensors_dir, path, self.llm.device)
+                restarted = await loop.run_in_executor(
+                    None, lambda: self.llm.update_weights(state, version=version, recompute_running=True))
+        except (BadRequest, ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        logger.info("weights version %d loaded from %s (%d tensors, %d running sequences re-prefilled)",
+                    self.llm.version, path, len(state), restarted)
+        return web.json_response({"success": True, "message": "ok", "weight_version": self.llm.version,
+                                  "num_restarted": restarted})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _start_site(self) -> None:
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]  # the ephemeral port actually bound
+
+    def start(self) -> "TikServer":
+        """Serve from a daemon thread; returns once the port is bound."""
+        if self._thread is not None:
+            raise RuntimeError("server already started")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._loop.run_until_complete(self._start_site())
+            except BaseException as exc:  # reported to start()'s caller
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="areal-tik-server", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self
+
+    def stop(self, close_llm: bool = False) -> None:
+        """Stop serving (and close the engine with ``close_llm``); idempotent."""
+        if self._thread is not None and self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        self._thread = None
+        if close_llm:
+            self.llm.close()
+
+    def __enter__(self) -> "TikServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    import torch
+
+    from areal_tik.engine import LLM, EngineConfig
+    from areal_tik.model import UnifiedCausalLM
+
+    parser = argparse.ArgumentParser(description="Serve an areal-tik rollout engine over HTTP.")
+    parser.add_argument("--model", required=True, help="local HF checkpoint dir or .gguf file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (logged)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--kernels", default="unified", choices=["unified", "standard"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    model = UnifiedCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
+                                            device=args.device, kernels=args.kernels)
+    config = EngineConfig(max_num_seqs=args.max_num_seqs,
+                          max_model_len=min(args.max_model_len, model.config.max_positions),
+                          seed=args.seed, cuda_graphs=args.device.startswith("cuda"))
+    with LLM(model, config) as llm:
+        server = TikServer(llm, args.host, args.port).start()
+        logger.info("serving on http://%s", server.address)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""Server mode: the areal-tik engine behind HTTP, driven by AReaL's RemoteInfEngine.
+
+Servers run in process on 127.0.0.1 with an ephemeral port and are always stopped by
+the fixture; every HTTP call has a timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("areal")
+requests = pytest.importorskip("requests")
+
+from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from areal_tik.integration.server import TikServer  # noqa: E402
+from areal_tik.model import UnifiedCausalLM, random_model, tiny_config  # noqa: E402
+
+from ._bits import assert_bitwise  # noqa: E402
+
+SMALL = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+             vocab_size=128, num_hidden_layers=1)
+TIMEOUT = 30
+PROMPTS = [[5, 9, 17, 3], [40, 2, 77], [1, 2, 3, 4, 5, 6, 7]]
+
+
+def make_llm(seed: int = 0) -> LLM:
+    hf = random_model(tiny_config("llama", **SMALL), seed=seed)
+    model = UnifiedCausalLM.from_hf(hf, kernels="standard")
+    return LLM(model, EngineConfig(max_num_seqs=4, max_model_len=64, kv_block_size=16, seed=11),
+               eos_token_ids=())
+
+
+@pytest.fixture
+def served():
+    llm = make_llm()
+    server = TikServer(llm).start()
+    try:
+        yield llm, f"http://{server.address}"
+    finally:
+        server.stop(close_llm=True)
+
+
+def post(url: str, endpoint: str, payload: dict, timeout: float = TIMEOUT):
+    return requests.post(url + endpoint, json=payload, timeout=timeout)
+
+
+def gen_payload(ids, **sampling):
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, **sampling},
+            "return_logprob": True, "stream": False}
+
+
+def as_f32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_binds_loopback_ephemeral_port(served):
+    llm, url = served
+    assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+    assert requests.get(url + "/health", timeout=TIMEOUT).json()["status"] == "ok"
+    assert requests.get(url + "/get_weight_version", timeout=TIMEOUT).json() == {"weight_version": 0}
+
+
+def test_generate_matches_llm_generate_bitwise(served):
+    llm, url = served
+    sp = dict(temperature=0.8, max_new_tokens=6)
+    direct = llm.generate(PROMPTS, [SamplingParams(seed=100 + i, **sp) for i in range(len(PROMPTS))])
+    for i, (prompt, ref) in enumerate(zip(PROMPTS, direct)):
+        r = post(url, "/generate", gen_payload(prompt, seed=100 + i, **sp))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        meta = body["meta_info"]
+        assert body["output_ids"] == ref.token_ids == [p[1] for p in meta["output_token_logprobs"]]
+        assert_bitwise(as_f32([p[0] for p in meta["output_token_logprobs"]]), as_f32(ref.logprobs),
+                       f"prompt {i}")
+        assert meta["output_token_versions"] == ref.versions == [0] * 6
+        assert meta["finish_reason"] == {"type": "length"}
+
+
+def test_bad_requests_are_4xx_and_server_keeps_serving(served):
+    llm, url = served
+    cases = [
+        (gen_payload([]), "prompt_ids must not be empty"),
+        (gen_payload([1, 2], top_p=1.5), "1.5"),
+        (gen_payload([1, 2], temperature=-1.0), "-1.0"),
+        (gen_payload([1, 999]), "999"),
+        (gen_payload([1, 2], frequency_penalty=0.5), "frequency_penalty"),
+        (gen_payload([1, 2], bogus=1), "bogus"),
+        ({"sampling_params": {}}, "input_ids"),
+    ]
+    for payload, needle in cases:
+        r = post(url, "/generate", payload)
+        assert 400 <= r.status_code < 500, (payload, r.status_code, r.text)
+        assert needle in r.json()["error"], (needle, r.text)
+    r = requests.post(url + "/generate", data=b"not json", timeout=TIMEOUT)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    r = post(url, "/update_weights_from_disk", {"model_path": "/nonexistent-dir"})
+    assert r.status_code == 400 and "/nonexistent-dir" in r.json()["error"]
+    assert "top_p" in post(url, "/generate", gen_payload([1, 2], top_p=0.0)).json()["error"]
+    ok = post(url, "/generate", gen_payload([1, 2], seed=1))
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 6
+
+
+def test_weight_update_from_disk_bumps_version_and_changes_outputs(served, tmp_path):
+    llm, url = served
+    payload = gen_payload(PROMPTS[0], seed=5, temperature=1.0)
+    before = post(url, "/generate", payload).json()["meta_info"]
+    make_llm(seed=1).model.hf_model.save_pretrained(tmp_path / "v3")
+    r = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "v3"), "weight_version": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["weight_version"] == 3 == llm.version
+    assert requests.get(url + "/get_weight_version", timeout=TIMEOUT).json()["weight_version"] == 3
+    after = post(url, "/generate", payload).json()["meta_info"]
+    assert after["output_token_versions"] == [3] * 6
+    assert [p[0] for p in after["output_token_logprobs"]] != [p[0] for p in before["output_token_logprobs"]]
+    # the same request on an engine built from the new weights gives the same bits
+    fresh = make_llm(seed=1)
+    try:
+        ref = fresh.generate([PROMPTS[0]], SamplingParams(seed=5, max_new_tokens=6))[0]
+    finally:
+        fresh.close()
+    assert_bitwise(as_f32([p[0] for p in after["output_token_logprobs"]]), as_f32(ref.logprobs), "v3")
+    # no version given: current + 1
+    r = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "v3")})
+    assert r.json()["weight_version"] == 4
+
+
+def _generate_in_thread(url, payload):
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", post(url, "/generate", payload)))
+    thread.start()
+    return thread, box
+
+
+def test_pause_and_continue(served):
+    llm, url = served
+    assert post(url, "/pause_generation", {}).status_code == 200
+    assert llm.paused and requests.get(url + "/health", timeout=TIMEOUT).json()["paused"]
+    steps = llm.num_steps
+    thread, box = _generate_in_thread(url, gen_payload(PROMPTS[1], seed=2))
+    thread.join(timeout=1.0)
+    assert thread.is_alive() and llm.num_steps == steps, "generated while paused"
+    assert requests.get(url + "/get_weight_version", timeout=TIMEOUT).status_code == 200  # still serving
+    assert post(url, "/continue_generation", {}).status_code == 200
+    thread.join(timeout=TIMEOUT)
+    assert not thread.is_alive() and box["r"].status_code == 200
+    assert len(box["r"].json()["output_ids"]) == 6
+
+
+# ----------------------------------------------------------------------------- AReaL
+
+
+@pytest.fixture
+def remote(served):
+    from areal.api.cli_args import InferenceEngineConfig
+
+    from areal_tik.integration.remote import TikRemoteInfEngine
+
+    llm, url = served
+    config = InferenceEngineConfig(experiment_name="tik-server-test", trial_name="t0", setup_timeout=30,
+                                   request_timeout=TIMEOUT, request_retries=1, pause_grace_period=0.0)
+    engine = TikRemoteInfEngine(config)
+    engine.initialize(addr=url.removeprefix("http://"), train_data_parallel_size=1)
+    try:
+        yield llm, url, engine
+    finally:
+        engine.destroy()
+
+
+def areal_request(prompt, max_new_tokens=6):
+    from areal.api import ModelRequest
+    from areal.api.cli_args import GenerationHyperparameters
+
+    return ModelRequest(input_ids=list(prompt),
+                        gconfig=GenerationHyperparameters(max_new_tokens=max_new_tokens, temperature=0.9))
+
+
+def test_remote_inf_engine_matches_direct_engine(remote):
+    llm, url, engine = remote
+    direct = make_llm()   # same weights and engine seed: the same request order gives the same keys
+    try:
+        for prompt in PROMPTS:
+            resp = asyncio.run(engine.agenerate(areal_request(prompt)))
+            ref = direct.generate([prompt], SamplingParams(temperature=0.9, max_new_tokens=6))[0]
+            assert resp.input_tokens == prompt and resp.output_tokens == ref.token_ids
+            assert_bitwise(as_f32(resp.output_logprobs), as_f32(ref.logprobs), str(prompt))
+            assert resp.output_versions == [0] * 6 and resp.stop_reason == "length"
+    finally:
+        direct.close()
+
+
+def test_remote_versions_come_from_the_server(remote, tmp_path, monkeypatch):
+    """A weight update (AReaL's update_weights_from_disk) lands mid-request: the response
+    holds the server's per-token versions (stock RemoteInfEngine would stamp the client's
+    version 0 on every token)."""
+    from areal.utils import name_resolve, names
+
+    llm, url, engine = remote
+    make_llm(seed=1).model.hf_model.save_pretrained(tmp_path / "w")
+    repo = name_resolve.NfsNameRecordRepository(record_root=str(tmp_path / "names"))
+    monkeypatch.setattr(name_resolve, "wait", repo.wait)
+    repo.add(names.update_weights_from_disk("tik-server-test", "t0", engine.get_version()), str(time.time()))
+    run = llm.runner.run
+    monkeypatch.setattr(llm.runner, "run", lambda *a: (time.sleep(0.02), run(*a))[1])  # slow steps
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault(
+        "resp", asyncio.run(engine.agenerate(areal_request(PROMPTS[2], max_new_tokens=40)))))
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while llm.num_steps < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    engine.pause_generation()           # AReaL's pause: POST /pause_generation on every server
+    engine.update_weights_from_disk(_disk_meta(tmp_path / "w", version=7)).result(timeout=TIMEOUT)
+    assert llm.version == 7
+    engine.continue_generation()
+    thread.join(timeout=TIMEOUT)
+    assert not thread.is_alive()
+    versions = box["resp"].output_versions
+    assert engine.get_version() == 0 and len(versions) == 40
+    assert versions[0] == 0 and versions[-1] == 7 and sorted(versions) == versions, versions
+
+
+def _disk_meta(path, version):
+    from areal.api import WeightUpdateMeta
+
+    return WeightUpdateMeta(type="disk", path=str(path), version=version)
+
+
+def test_backend_refuses_what_the_server_cannot_do():
+    from areal_tik.integration.remote import TikServerBackend
+
+    backend = TikServerBackend()
+    with pytest.raises(NotImplementedError, match="disk"):
+        backend.build_distributed_weight_update_requests(None, [])
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        backend.build_generation_request(areal_request([1]), with_lora=True, version=0)
+    with pytest.raises(ValueError, match="versions"):
+        backend.parse_generation_response({"meta_info": {
+            "output_token_logprobs": [[-1.0, 3, None]], "output_token_versions": [],
+            "finish_reason": {"type": "stop"}}})
