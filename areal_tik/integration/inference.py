@@ -29,6 +29,19 @@ from .config import top_k_active
 from .log import logger
 
 
+def new_token_budget(req: ModelRequest) -> int:
+    """Tokens ``req`` may still generate (``max_tokens`` counts the prompt); ValueError for
+    requests the engine cannot serve (images) or that leave no room."""
+    g = req.gconfig
+    if req.image_data or req.vision_msg_vllm:
+        raise ValueError("the areal-tik engine serves text-only decoder models; this request has images")
+    budget = min(g.max_tokens - len(req.input_ids), g.max_new_tokens)
+    if budget <= 0:
+        raise ValueError(f"no room to generate: max_tokens={g.max_tokens}, "
+                         f"prompt has {len(req.input_ids)} tokens")
+    return budget
+
+
 def sampling_params(gconfig, max_new_tokens: int, vocab_size: int):
     """areal_tik SamplingParams for an AReaL ``GenerationHyperparameters``; ValueError for
     options the engine does not implement (rather than ignoring them)."""
@@ -110,12 +123,7 @@ class TikInferenceEngine(RemoteInfEngine):
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         gconfig = req.gconfig
-        if req.image_data or req.vision_msg_vllm:
-            raise ValueError("the areal-tik engine serves text-only decoder models; this request has images")
-        max_new_tokens = min(gconfig.max_tokens - len(req.input_ids), gconfig.max_new_tokens)
-        if max_new_tokens <= 0:
-            raise ValueError(f"no room to generate: max_tokens={gconfig.max_tokens}, "
-                             f"prompt has {len(req.input_ids)} tokens")
+        max_new_tokens = new_token_budget(req)
         params = sampling_params(gconfig, max_new_tokens, self.llm.vocab_size)
         while self.workflow_executor.is_paused():
             await asyncio.sleep(0.05)

@@ -25,6 +25,8 @@ from areal.api.io_struct import HttpGenerationResult, HttpRequest, WeightUpdateR
 from areal.infra import RemoteInfEngine, workflow_context
 from areal.infra.utils.http import arequest_with_retry
 
+from .inference import new_token_budget
+
 
 @dataclass
 class TikGenerationResult(HttpGenerationResult):
@@ -133,13 +135,7 @@ class TikRemoteInfEngine(RemoteInfEngine):
         g = req.gconfig
         if g.n_samples != 1:
             raise ValueError(f"one request samples one sequence; got n_samples={g.n_samples}")
-        if req.image_data or req.vision_msg_vllm:
-            raise ValueError("the areal-tik engine serves text-only decoder models; this request has images")
-        max_new = min(g.max_tokens - len(req.input_ids), g.max_new_tokens)
-        if max_new <= 0:
-            raise ValueError(f"no room to generate: max_tokens={g.max_tokens}, prompt has "
-                             f"{len(req.input_ids)} tokens")
-        g.max_new_tokens = max_new
+        max_new = g.max_new_tokens = new_token_budget(req)
         addr = self._server_for(req.rid)
         session = await workflow_context.get_aiohttp_session()
         start = time.perf_counter()
