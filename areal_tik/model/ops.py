@@ -7,16 +7,20 @@ signatures (``OP_NAMES``), so one model code path runs either:
   by op. An op whose kernel module does not exist (yet) raises ``KernelUnavailableError``
   when first used; nothing is ever substituted silently.
 - ``"standard"``: what stock Hugging Face / AReaL stacks run, in pure torch (runs on CPU
-  without Triton): ``F.linear``, the HF-style eager RMSNorm / rope / SiLU, SDPA attention
-  (packed varlen by a loop over sequences, decode by gathering the paged K/V) and a
+  without Triton): ``F.linear``, the HF-style eager RMSNorm / rope / SiLU, attention
+  (packed varlen: torch's FlashAttention varlen on CUDA where this torch has it, else
+  SDPA in a loop over sequences; decode: SDPA over the gathered paged K/V) and a
   materialised ``log_softmax`` for log-probs. It is the baseline of the benchmarks and
   is NOT batch invariant.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import math
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -142,8 +146,70 @@ def _std_gather_logprobs(logits, lse, targets, temperature=1.0):
     return picked.float() / temperature - lse
 
 
+@functools.cache
+def _flash_varlen():
+    """torch's FlashAttention varlen entry and the causal keyword this torch spells, or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+
+
+_flash_varlen_failed: list[str] = []
+
+
+def _flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+    """FlashAttention varlen over the packed rows ``[: cu_seqlens[-1]]``, or None if unusable."""
+    found = _flash_varlen() if q.is_cuda and not _flash_varlen_failed else None
+    if found is None:
+        return None
+    varlen_attn, kwargs, has_gqa, has_scale = found
+    kwargs = dict(kwargs)
+    if softmax_scale is not None:
+        if not has_scale and softmax_scale != q.shape[-1] ** -0.5:
+            return None
+        if has_scale:
+            kwargs["scale"] = softmax_scale
+    if k.shape[1] != q.shape[1]:
+        if has_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu = cu_seqlens.to(torch.int32)
+    rows = int(cu[-1])
+    max_len = int(max_seqlen)
+    try:
+        o = varlen_attn(q[:rows], k[:rows], v[:rows], cu, cu, max_len, max_len, **kwargs)
+    except (RuntimeError, TypeError, ValueError) as exc:  # an older torch or an unsupported shape
+        _flash_varlen_failed.append(str(exc))
+        warnings.warn(f"standard attention: torch varlen_attn failed ({exc}); "
+                      "using SDPA per sequence instead", RuntimeWarning, stacklevel=3)
+        return None
+    if isinstance(o, tuple):
+        o = o[0]
+    if rows == q.shape[0]:
+        return o
+    return torch.cat([o, o.new_zeros((q.shape[0] - rows, *o.shape[1:]))])
+
+
 def _std_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None, *, validate=True):
-    """SDPA per sequence (host loop over cu_seqlens); rows past cu_seqlens[-1] are zeros."""
+    """Causal attention over packed sequences; rows past cu_seqlens[-1] are zeros.
+
+    CUDA: torch's FlashAttention varlen (what stock stacks run for packed training);
+    otherwise, or where that entry is missing, SDPA per sequence (host loop).
+    """
+    flash = _flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+    if flash is not None:
+        return flash
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
