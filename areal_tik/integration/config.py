@@ -99,7 +99,8 @@ class TikInferenceEngineConfig(InferenceEngineConfig):
                   "choices": list(TIK_ENGINE_MODES)})
     tik_max_num_seqs: int = field(default=64, metadata={"help": "Sequences decoded at once."})
     tik_max_model_len: int = field(default=4096, metadata={"help": "Prompt plus output tokens."})
-    tik_kv_block_size: int = field(default=16, metadata={"help": "Paged KV block size."})
+    tik_kv_block_size: int = field(
+        default=64, metadata={"help": "Paged KV block size (a multiple of the GPU attention KV tile, 64)."})
     tik_num_kv_blocks: int | None = field(
         default=None, metadata={"help": "KV blocks; None measures what fits."})
     tik_cuda_graphs: bool = field(default=True, metadata={"help": "Capture decode in CUDA graphs."})
