@@ -140,3 +140,26 @@ def test_unsupported_model_keeps_the_stock_forward(tmp_path, spmd_env):
         assert config.actor.should_compute_prox_logp() is True  # AReaL's recompute stays
     finally:
         actor.destroy()
+
+
+@pytest.mark.slow
+def test_right_padded_rows_are_recomputed_to_the_trajectory_length(setup):
+    """A group's shorter sequences are right-padded; AReaL's compute_logp returns them
+    unpadded. The audit and the stale-token merge must see them at the group's length."""
+    actor, engine, items, kwargs = setup
+    traj = engine.rollout_batch([items[0]], workflow=WORKFLOW, workflow_kwargs=kwargs)[0]
+    length = traj["input_ids"].shape[-1]
+    padded = {k: torch.cat([v, torch.zeros((1, 5), dtype=v.dtype)], dim=-1)
+              if isinstance(v, torch.Tensor) and v.shape == traj["input_ids"].shape else v
+              for k, v in traj.items()}
+    recomputed = actor._recompute_rows([padded], [(0, 0)])[(0, 0)]
+    assert recomputed.shape == (1, length + 5)
+    alone = actor._recompute_rows([traj], [(0, 0)])[(0, 0)]
+    assert torch.equal(bits(recomputed[:, :length]), bits(alone))
+    assert torch.equal(recomputed[:, length:], torch.zeros(1, 5))
+
+    actor.compute_advantages([padded])  # audit on step 1 over the padded row
+    stats = actor.export_stats()
+    assert stats["tik/audit_passed"] == 1.0 and stats["tik/bitwise_fraction"] == 1.0
+    with pytest.raises(ValueError, match="has 3 positions"):
+        reuse.fit_row(torch.zeros(3), padded, 0)

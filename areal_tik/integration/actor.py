@@ -229,7 +229,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         current_platform.synchronize()
         tokens = sum(int(t["attention_mask"].sum()) for t in sample)
         self.tik_state.recompute_seconds_per_token = (time.perf_counter() - start) / max(tokens, 1)
-        return {row: values for row, values in zip(rows, out)}
+        return {(i, r): reuse.fit_row(values, batch[i], r) for (i, r), values in zip(rows, out)}
 
     def _all_reduce(self, values: list[float], op) -> list[float]:
         """Reduce over the training processes (gloo), so every rank takes the same branch

@@ -107,6 +107,24 @@ def row_batch(batch: list[dict], rows: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
+def fit_row(values: torch.Tensor, traj: dict, row: int) -> torch.Tensor:
+    """A recomputed row (``[L']``, recompute alignment) as ``[1, L]`` of ``traj``'s padding.
+
+    AReaL's ``compute_logp`` returns each sequence unpadded (its attention-mask length), so
+    a right-padded row comes back shorter than the trajectory; the padding positions are
+    never scored and are filled with 0.
+    """
+    values = values.reshape(-1)
+    length = traj["input_ids"].shape[-1]
+    tokens = int(traj["attention_mask"][row].sum())
+    if not tokens <= values.shape[0] <= length:
+        raise ValueError(f"recomputed row {row} has {values.shape[0]} positions; its sequence has "
+                         f"{tokens} tokens padded to {length}")
+    if values.shape[0] < length:
+        values = torch.cat([values, values.new_zeros(length - values.shape[0])])
+    return values.unsqueeze(0)
+
+
 def merge_recomputed(plan: ReusePlan, rows: list[tuple[int, int]],
                      recomputed: list[torch.Tensor]) -> list[torch.Tensor]:
     """Write recomputed values (``[1, L]`` per row, recompute alignment) at stale positions."""
