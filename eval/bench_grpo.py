@@ -176,6 +176,30 @@ def summarize(rows: list[dict], warmup: int) -> list[str]:
     return lines
 
 
+def plot_curves(rows: list[dict], path: Path) -> Path | None:
+    """Reward and step time per step, one line per mode (skipped without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        own = [r for r in rows if r["mode"] == mode]
+        steps = [r["step"] for r in own]
+        ax_r.plot(steps, [r["reward"] for r in own], marker=".", label=mode)
+        ax_t.plot(steps, [r["step_seconds"] for r in own], marker=".", label=mode)
+    ax_r.set(xlabel="step", ylabel="task reward (mean)", title=f"{rows[0]['model']}: reward")
+    ax_t.set(xlabel="step", ylabel="seconds", yscale="log", title="step time (first: compile/capture)")
+    ax_r.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", choices=MODELS)
@@ -229,6 +253,9 @@ def main(argv=None) -> int:
     for line in summarize(rows, args.warmup):
         print(line)
     print(f"wrote {path}")
+    plot = plot_curves(rows, path.with_suffix(".png"))
+    if plot:
+        print(f"wrote {plot}")
     return 0 if len({r['mode'] for r in rows}) == len(modes) else 1
 
 

@@ -122,6 +122,16 @@ def test_run_state_audits_and_falls_back_loudly():
     assert fresh.audit_pending and fresh.reuse_active  # inconclusive: audit again next step
 
 
+def test_time_saved_is_a_lower_bound_from_the_audit_recompute():
+    state = RunState()
+    assert state.note_reuse(10, 0, tokens_skipped=1000) == 0.0  # nothing timed yet
+    state.recompute_timing = (0.5, 200)  # the audit's forward: 200 tokens in 0.5 s
+    assert state.note_reuse(10, 0, tokens_skipped=1000) == 0.5  # more tokens: at least as long
+    assert state.note_reuse(10, 0, tokens_skipped=50) == 0.125  # fewer: scaled down
+    assert state.note_reuse(10, 0, tokens_skipped=0) == 0.0
+    assert state.seconds_saved == 0.625 and state.tokens_reused == 40
+
+
 def test_patch_registry_applies_reverts_and_nests():
     import areal.engine
     from areal.trainer.rl_trainer import PPOTrainer

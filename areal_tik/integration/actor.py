@@ -228,7 +228,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         out = self._recompute(sample)
         current_platform.synchronize()
         tokens = sum(int(t["attention_mask"].sum()) for t in sample)
-        self.tik_state.recompute_seconds_per_token = (time.perf_counter() - start) / max(tokens, 1)
+        self.tik_state.recompute_timing = (time.perf_counter() - start, tokens)
         return {(i, r): reuse.fit_row(values, batch[i], r) for (i, r), values in zip(rows, out)}
 
     def _all_reduce(self, values: list[float], op) -> list[float]:

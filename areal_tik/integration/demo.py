@@ -145,7 +145,7 @@ def summary_lines(history: list[dict], state, seconds: float) -> list[str]:
                      f"{'ran' if 'timeperf/recompute_logp' in h else 'skipped'}")
     lines.append(f"tokens reused: {info['tokens_reused']}, recomputed (stale): {info['tokens_recomputed']}")
     lines.append(f"audit: {info['verdict']} ({info['audited_tokens']} tokens compared)")
-    lines.append(f"recompute time saved (estimate from audit timing): {info['recompute_seconds_saved']:.2f} s")
+    lines.append(f"recompute time saved (lower bound from the audit's recompute timing): {info['recompute_seconds_saved']:.2f} s")
     return lines
 
 
