@@ -87,6 +87,8 @@ def mode_config(args, mode: str, model_path: str, workdir: Path, cpu: bool) -> d
     actor.update(MODES[mode], recompute_logprob=True, tik_audit_every=args.audit_every,
                  tik_audit_sequences=args.audit_sequences, mb_spec={"max_tokens_per_mb": args.max_tokens_per_mb})
     actor["optimizer"]["lr"] = args.lr
+    actor["weight_update_mode"] = args.weight_update_mode
+    config["rollout"]["tik_engine"] = args.tik_engine
     return config
 
 
@@ -213,6 +215,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-tokens-per-mb", type=int, default=16384)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--tik-engine", default="inprocess", choices=["inprocess", "server"],
+                        help="the rollout engine in process, or areal-tik servers driven by RemoteInfEngine")
+    parser.add_argument("--weight-update-mode", default="disk", choices=["disk", "xccl"],
+                        help="AReaL's weight path (servers only; the in-process engine copies in place)")
     parser.add_argument("--audit-every", type=int, default=10)
     parser.add_argument("--audit-sequences", type=int, default=4)
     parser.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "areal-tik-bench-grpo"))

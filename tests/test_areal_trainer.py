@@ -132,3 +132,22 @@ def test_grpo_smollm2_gpu(spmd, tmp_path):
         assert step["tik/audit_passed"] == 1.0 and step["tik/bitwise_fraction"] == 1.0
         assert_exact_first_minibatch(step)
     assert state.reuse_active and state.seconds_saved > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_update_mode", ["xccl", "disk"])
+def test_grpo_through_an_areal_tik_server(spmd, tiny_model, tmp_path, weight_update_mode):
+    """rollout.tik_engine=server: the trainer launches an areal-tik server process and
+    drives it with AReaL's RemoteInfEngine; weights go over AReaL's own path (a gloo
+    broadcast for xccl, a checkpoint for disk). Reuse stays bitwise across updates."""
+    history, state = run(tiny_model, tmp_path, steps=2, overrides=[
+        "rollout.tik_engine=server", f"actor.weight_update_mode={weight_update_mode}",
+        "actor.tik_audit_every=1"])
+    assert len(history) == 2
+    for step in history:
+        assert "timeperf/recompute_logp" not in step
+        assert step["tik/audit_passed"] == 1.0 and step["tik/bitwise_fraction"] == 1.0
+        assert step["tik/tokens_reused"] == step["ppo_actor/update/n_valid_tokens"] > 0
+        assert_exact_first_minibatch(step)
+    assert history[0]["ppo_actor/update/grad_norm"] > 0  # step 2 samples from updated weights
+    assert state.reuse_active and not state.refusals

@@ -137,6 +137,10 @@ class LLM:
         """asyncio-friendly ``submit``: awaits the request's ``GenerationOutput``."""
         return await asyncio.wrap_future(self.submit(prompt_ids, params))
 
+    def validate_weights(self, weights, strict: bool = True) -> None:
+        """Raise what ``update_weights(weights, strict=strict)`` would raise; copy nothing."""
+        plan_update(self._weight_target().state_dict(), as_state_dict(weights), strict=strict)
+
     def update_weights(self, weights, version: int | None = None, strict: bool = True,
                        recompute_running: bool = True) -> int:
         """Copy ``weights`` (a state dict or a module) into the model in place, between steps.

@@ -35,7 +35,7 @@ import FSDPPPOActor`` at call time; the patch set points that name at
   fallback, then AReaL's own advantage computation.
 - ``connect_engine`` / ``update_weights``: with the in-process engine, weights are copied
   (``full_tensor()`` cast to the compute dtype: the bits FSDP's forward sees) into the
-  engine, tagged with AReaL's version; no disk or NCCL.
+  engine, tagged with AReaL's version; no disk or NCCL. Servers get AReaL's own updates.
 
 Reuse. ``PPOTrainer.train`` runs ``actor.compute_logp`` under ``timeperf/recompute_logp``
 iff ``config.actor.should_compute_prox_logp()``; ``TikPPOActorConfig`` answers False
@@ -45,7 +45,7 @@ whose ``versions`` equal the actor's version, recomputing only sequences with st
 tokens and taking the recomputed value at stale positions (``reuse.py``). Reuse is
 refused, with a logged reason, for top-k/top-p/greedy sampling, rollout temperature !=
 actor temperature, min_new_tokens, frequency penalty, the "standard" kernels, or a
-rollout engine other than areal-tik's.
+rollout engine other than areal-tik's (in process or a server).
 
 Audit (``audit.py``). On step 1 and every ``tik_audit_every`` steps a sample of
 sequences is recomputed by AReaL's own ``PPOActor.compute_logp`` (running the unified
@@ -68,6 +68,14 @@ pause/resume) and replaces the HTTP parts: ``agenerate`` runs on the in-process
 ``areal_tik.engine.LLM`` and returns ``ModelResponse`` with ``output_logprobs`` and
 ``output_versions``. It needs AReaL's SPMD mode (``AREAL_SPMD_MODE=1``), which the
 launcher sets.
+
+Server mode (``server.py``, ``remote.py``). ``rollout.tik_engine: server`` returns AReaL's
+own ``RemoteInfEngine`` (``TikRemoteInfEngine``: per-token versions from the server) over
+areal-tik HTTP servers with SGLang's endpoints and payloads, launched one per training
+process or named in ``rollout.tik_server_addrs``. Weights go by AReaL's own path:
+``update_weights_from_disk``, or ``xccl`` (``init_weights_update_group`` joins the
+trainer's process group through AReaL's ``init_custom_process_group``; buckets arrive by
+broadcast and are applied together once they cover the model).
 """
 from __future__ import annotations
 

@@ -34,7 +34,13 @@ def log_tik_stats(**values: float) -> None:
 
 
 def is_tik_engine(engine) -> bool:
+    """An areal-tik engine (in process or a server): unified kernels, per-token versions."""
     return bool(getattr(engine, "is_areal_tik_engine", False))
+
+
+def is_in_process_engine(engine) -> bool:
+    """The in-process engine, whose weights the actor copies in place."""
+    return is_tik_engine(engine) and bool(getattr(engine, "tik_in_process", False))
 
 
 class TikFSDPPPOActor(FSDPPPOActor):
@@ -110,9 +116,10 @@ class TikFSDPPPOActor(FSDPPPOActor):
                            "does without the flag. Reasons: %s", "; ".join(self.tik_state.refusals))
 
     def connect_engine(self, engine, meta):
-        if not (self.tik_enabled and is_tik_engine(engine)):
-            if self.tik_flag:
+        if not (self.tik_enabled and is_in_process_engine(engine)):
+            if self.tik_flag and not is_tik_engine(engine):
                 self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
+            # areal-tik servers take AReaL's own weight updates (disk or NCCL broadcast)
             return super().connect_engine(engine, meta)
         self.rollout_engine = engine
         self.rollout_coordinator = DistRolloutCoordinator(rollout_engine=engine, train_engine=self)
@@ -133,7 +140,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         engine.load_weights(self._compute_weights(), version=version)
 
     def update_weights(self, meta):
-        if not (self.tik_enabled and is_tik_engine(self.rollout_engine)):
+        if not (self.tik_enabled and is_in_process_engine(self.rollout_engine)):
             return super().update_weights(meta)
         version = meta.version if meta.version is not None else self.get_version() + 1
         with self._offload_aware_context():
@@ -159,7 +166,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         """The Triton CPU interpreter keeps launch state in globals, so kernels from the
         training thread and the engine thread must not interleave: hold the engine between
         steps while training. (On a GPU both run concurrently.)"""
-        if interpreting() and is_tik_engine(self.rollout_engine):
+        if interpreting() and is_in_process_engine(self.rollout_engine):
             return self.rollout_engine.between_steps()
         return contextlib.nullcontext()
 

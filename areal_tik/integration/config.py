@@ -11,7 +11,8 @@ YAML (loaded by AReaL's own ``load_expr_config``; unknown keys still raise)::
       tik_kernels: unified         # "standard" runs the same code on stock kernels (baseline)
     rollout:
       backend: "sglang:d1"         # AReaL's parser needs an inference backend name; with
-      tik_engine: auto             # tik_engine auto/inprocess the areal-tik engine serves it
+      tik_engine: auto             # tik_engine auto/inprocess the areal-tik engine serves it;
+                                   # "server": areal-tik servers driven by AReaL's RemoteInfEngine
     stats_logger:
       wandb: {mode: offline}       # offline is the default here
 
@@ -33,7 +34,7 @@ from areal.api.cli_args import (
     WandBConfig,
 )
 
-TIK_ENGINE_MODES = ("auto", "inprocess", "off")
+TIK_ENGINE_MODES = ("auto", "inprocess", "server", "off")
 TIK_KERNELS = ("unified", "standard")
 
 
@@ -94,9 +95,16 @@ class TikInferenceEngineConfig(InferenceEngineConfig):
     tik_engine: str = field(
         default="auto",
         metadata={"help": "'inprocess': the areal-tik engine serves rollouts inside each "
-                          "training process; 'off': AReaL's backend named in rollout.backend; "
-                          "'auto': inprocess when actor.unified_kernels is on.",
+                          "training process; 'server': areal-tik HTTP servers (tik_server_addrs, or "
+                          "one launched per training process) driven by AReaL's RemoteInfEngine, "
+                          "weights by disk or NCCL as actor.weight_update_mode says; 'off': AReaL's "
+                          "backend named in rollout.backend; 'auto': inprocess when "
+                          "actor.unified_kernels is on.",
                   "choices": list(TIK_ENGINE_MODES)})
+    tik_server_addrs: list[str] | None = field(
+        default=None,
+        metadata={"help": "tik_engine='server': 'host:port' of running areal-tik servers; None "
+                          "launches one per training process on its device."})
     tik_max_num_seqs: int = field(default=64, metadata={"help": "Sequences decoded at once."})
     tik_max_model_len: int = field(default=4096, metadata={"help": "Prompt plus output tokens."})
     tik_kv_block_size: int = field(
@@ -112,6 +120,13 @@ class TikInferenceEngineConfig(InferenceEngineConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.tik_server_addrs is not None:
+            addrs = list(self.tik_server_addrs)
+            bad = [a for a in addrs if not isinstance(a, str) or ":" not in a]
+            if not addrs or bad:
+                raise ValueError("rollout.tik_server_addrs must be a non-empty list of 'host:port', "
+                                 f"got {self.tik_server_addrs!r}")
+            self.tik_server_addrs = addrs
         if not 0 < self.tik_gpu_memory_utilization <= 1:
             raise ValueError("rollout.tik_gpu_memory_utilization must be in (0, 1], "
                              f"got {self.tik_gpu_memory_utilization!r}")
@@ -187,7 +202,18 @@ def engine_mode(config: TikPPOConfig) -> str:
 
 def validate(config: TikPPOConfig) -> None:
     """Raise ValueError for option combinations that cannot run."""
-    if engine_mode(config) == "inprocess":
+    mode = engine_mode(config)
+    if mode == "server":
+        if not config.actor.unified_kernels:
+            raise ValueError("rollout.tik_engine='server' needs actor.unified_kernels=true")
+        if config.actor.weight_update_mode not in ("disk", "xccl"):
+            raise ValueError("areal-tik servers take weights from disk or by NCCL broadcast; got "
+                             f"actor.weight_update_mode={config.actor.weight_update_mode!r}")
+        par = _parallel(config.rollout.backend)
+        if par.tp_size > 1 or par.pp_size > 1:
+            raise ValueError("an areal-tik server is one engine (no tensor/pipeline parallelism); "
+                             f"rollout.backend={config.rollout.backend!r}")
+    if mode == "inprocess":
         if not config.actor.unified_kernels:
             raise ValueError("rollout.tik_engine='inprocess' needs actor.unified_kernels=true")
         par = _parallel(config.rollout.backend)
@@ -226,7 +252,7 @@ def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,
     if not actor.unified_kernels:
         return ["actor.unified_kernels is off"]
     reasons = actor_refusals(actor)
-    if include_engine and engine_mode(config) != "inprocess":
+    if include_engine and engine_mode(config) not in ("inprocess", "server"):
         reasons.append(
             f"rollouts come from AReaL's {config.rollout.backend.split(':')[0]!r} backend, not the "
             "areal-tik engine, so their log-probs are not bitwise the trainer's")

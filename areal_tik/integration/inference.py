@@ -92,6 +92,7 @@ class TikInferenceEngine(RemoteInfEngine):
     """In-process InferenceEngine over the areal-tik LLM (``is_areal_tik_engine``)."""
 
     is_areal_tik_engine = True
+    tik_in_process = True  # weights are copied in place by the actor, not sent over disk/NCCL
 
     def __init__(self, config, llm=None, *, model_path: str | None = None,
                  dtype: torch.dtype = torch.bfloat16, kernels: str = "unified", device=None):

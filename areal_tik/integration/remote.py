@@ -24,6 +24,7 @@ from areal.api import ModelRequest, ModelResponse
 from areal.api.io_struct import HttpGenerationResult, HttpRequest, WeightUpdateRequests
 from areal.infra import RemoteInfEngine, workflow_context
 from areal.infra.utils.http import arequest_with_retry
+from areal.utils import perf_tracer, stats_tracker
 
 from .inference import new_token_budget
 
@@ -81,12 +82,33 @@ class TikServerBackend:
         return WeightUpdateRequests(requests=[HttpRequest(endpoint="/update_weights_from_disk", payload=payload)])
 
     def build_distributed_weight_update_requests(self, meta, param_specs) -> WeightUpdateRequests:
-        raise NotImplementedError("the areal-tik server loads weights from disk only "
-                                  "(weight_update_mode='disk')")
+        """SGLang's payload plus ``weight_version``: the server stages the buckets and applies
+        them at once, as that version, when they cover the whole model."""
+        if meta.use_lora:
+            raise NotImplementedError("LoRA is not supported by the areal-tik engine")
+        payload = {"names": [p.name for p in param_specs], "dtypes": [p.dtype for p in param_specs],
+                   "shapes": [list(p.shape) for p in param_specs], "group_name": meta.nccl_group_name,
+                   "weight_version": meta.version}
+        return WeightUpdateRequests(requests=[HttpRequest(endpoint="/update_weights_from_distributed",
+                                                          payload=payload)])
 
     def build_init_weights_group_request(self, addr, server_idx, meta) -> HttpRequest:
-        raise NotImplementedError("the areal-tik server loads weights from disk only "
-                                  "(weight_update_mode='disk')")
+        """Rank ``1 + server_idx`` of a group of every server plus the trainer (rank 0); one
+        server is one engine (no tensor or pipeline parallelism)."""
+        if meta.gen_allocation is None:
+            raise ValueError("meta.gen_allocation is needed to size the weight update group")
+        par = meta.gen_allocation.parallel
+        if par.tp_size > 1 or par.pp_size > 1:
+            raise NotImplementedError(f"areal-tik servers run one engine each; got tp_size={par.tp_size}, "
+                                      f"pp_size={par.pp_size}")
+        from areal.infra.platforms import current_platform
+        from areal.utils.network import format_host_for_url
+
+        return HttpRequest(endpoint="/init_weights_update_group", payload={
+            "master_address": format_host_for_url(meta.nccl_master_address),
+            "master_port": str(meta.nccl_master_port), "rank_offset": 1 + server_idx,
+            "world_size": par.world_size + 1, "backend": current_platform.communication_backend,
+            "group_name": meta.nccl_group_name})
 
     def get_pause_request(self) -> HttpRequest:
         return HttpRequest(endpoint="/pause_generation", payload={})
@@ -114,19 +136,58 @@ class TikServerBackend:
             raise ValueError(f"server_args needs 'model' (or 'model_path'), got {sorted(server_args)}")
         cmd = [sys.executable, "-m", "areal_tik.integration.server", "--model", str(model),
                "--host", str(server_args.get("host", "127.0.0.1")), "--port", str(server_args.get("port", 0))]
-        for key in ("dtype", "kernels", "device", "max_num_seqs", "max_model_len", "seed"):
+        for key in ("dtype", "kernels", "device", "max_num_seqs", "max_model_len", "seed", "kv_block_size",
+                    "num_kv_blocks", "gpu_memory_utilization", "cuda_graphs"):
             if server_args.get(key) is not None:
                 cmd += [f"--{key.replace('_', '-')}", str(server_args[key])]
         return subprocess.Popen(cmd)
 
 
 class TikRemoteInfEngine(RemoteInfEngine):
-    """``RemoteInfEngine`` whose responses carry the server's per-token weight versions."""
+    """``RemoteInfEngine`` whose responses carry the server's per-token weight versions.
+
+    ``own_servers``: server processes this engine launched (``launch_local_server``); they
+    are stopped by ``destroy``.
+    """
 
     is_areal_tik_engine = True
 
     def __init__(self, config, backend: TikServerBackend | None = None):
         super().__init__(config, backend or TikServerBackend())
+        self.own_servers: list[subprocess.Popen] = []
+
+    def launch_local_server(self, server_args: dict[str, Any]) -> str:
+        """Start one areal-tik server on a free local port; returns its 'host:port'
+        (``initialize(addr=...)`` then waits until it answers /health)."""
+        from areal.utils.network import find_free_ports
+
+        port = find_free_ports(1)[0]
+        self.own_servers.append(self.backend.launch_server({**server_args, "host": "127.0.0.1", "port": port}))
+        return f"127.0.0.1:{port}"
+
+    # what AReaL's engine classes (RemoteSGLangEngine) add to RemoteInfEngine for the trainer
+    def export_stats(self) -> dict[str, float]:
+        return stats_tracker.export_all(reduce_group=None)
+
+    def save_perf_tracer(self, step: int | None = None, force: bool = False) -> None:
+        perf_tracer.save(step=step, force=force)
+
+    def config_perf_tracer(self, config, rank: int, role: str) -> None:
+        if not perf_tracer.is_configured():
+            perf_tracer.configure(config, rank=rank, role=role)
+
+    def destroy(self):
+        try:
+            super().destroy()
+        finally:
+            for proc in self.own_servers:
+                proc.terminate()
+            for proc in self.own_servers:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            self.own_servers = []
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         """Like ``RemoteInfEngine.agenerate`` (one server per rid, resume after an abort),

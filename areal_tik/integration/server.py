@@ -14,6 +14,14 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
 - ``POST /update_weights_from_disk``: ``{"model_path": dir, "weight_version": int | null}``
   loads every ``*.safetensors`` file of ``dir`` and calls ``LLM.update_weights`` (default
   version: current + 1); running sequences go back to prefill.
+- ``POST /init_weights_update_group``: ``{"master_address", "master_port", "rank_offset",
+  "world_size", "backend", "group_name"}`` (SGLang's payload) joins the trainer's
+  weight-update process group (NCCL on GPUs, gloo on CPU) as rank ``rank_offset``; returns
+  once the trainer has joined too.
+- ``POST /update_weights_from_distributed``: ``{"names", "dtypes", "shapes", "group_name",
+  "weight_version"}`` receives one bucket of tensors by broadcast from the group's rank 0.
+  Buckets are staged and applied together, in one ``LLM.update_weights``, once they cover
+  every tensor of the model: no token is ever sampled from half-updated weights.
 - ``GET /health``, ``GET /get_weight_version`` (``{"weight_version": int}``).
 
 ``python -m areal_tik.integration.server --model <path> --port N`` serves a checkpoint.
@@ -100,6 +108,8 @@ class TikServer:
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._weights_lock = asyncio.Lock()
+        self._groups: dict = {}          # group_name -> process group (weight updates)
+        self._staged: dict = {}          # name -> tensor received for the pending update
 
     # ------------------------------------------------------------------ app
 
@@ -109,7 +119,9 @@ class TikServer:
             web.post("/generate", self.generate), web.get("/health", self.health),
             web.get("/health_generate", self.health), web.get("/get_weight_version", self.weight_version),
             web.post("/pause_generation", self.pause), web.post("/continue_generation", self.resume),
-            web.post("/update_weights_from_disk", self.update_weights_from_disk)])
+            web.post("/update_weights_from_disk", self.update_weights_from_disk),
+            web.post("/init_weights_update_group", self.init_weights_update_group),
+            web.post("/update_weights_from_distributed", self.update_weights_from_distributed)])
         return app
 
     @property
@@ -197,6 +209,100 @@ class TikServer:
         return web.json_response({"success": True, "message": "ok", "weight_version": self.llm.version,
                                   "num_restarted": restarted})
 
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            name = body.get("group_name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest(f"group_name must be a non-empty string, got {name!r}")
+            if name in self._groups:
+                raise BadRequest(f"weight update group {name!r} already exists")
+            ints = {}
+            for key in ("master_port", "rank_offset", "world_size"):
+                try:
+                    ints[key] = int(body.get(key))
+                except (TypeError, ValueError):
+                    raise BadRequest(f"{key} must be an integer, got {body.get(key)!r}") from None
+            if not 0 < ints["rank_offset"] < ints["world_size"]:
+                raise BadRequest(f"rank_offset must be in [1, world_size), got {ints['rank_offset']} "
+                                 f"with world_size {ints['world_size']}")
+            backend = body.get("backend") or ("nccl" if self.llm.device.type == "cuda" else "gloo")
+            addr = body.get("master_address")
+            if not isinstance(addr, str) or not addr:
+                raise BadRequest(f"master_address must be a host name, got {addr!r}")
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        from areal.engine.core.distributed import init_custom_process_group
+
+        def join():
+            return init_custom_process_group(
+                backend=backend, init_method=f"tcp://{addr}:{ints['master_port']}",
+                world_size=ints["world_size"], rank=ints["rank_offset"], group_name=name)
+        try:
+            self._groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
+        except (RuntimeError, ValueError) as exc:
+            return _error(500, f"joining weight update group {name!r} failed: {exc}")
+        logger.info("joined weight update group %r as rank %d of %d (%s)", name, ints["rank_offset"],
+                    ints["world_size"], backend)
+        return web.json_response({"success": True, "message": "ok"})
+
+    def _receive_bucket(self, group, names, dtypes, shapes) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        received = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=self.llm.device)
+            dist.broadcast(tensor, src=0, group=group)
+            received[name] = tensor
+        if self.llm.device.type == "cuda":
+            torch.cuda.synchronize(self.llm.device)
+        return received
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        import torch
+
+        try:
+            body = await self._json(request)
+            group = self._groups.get(body.get("group_name"))
+            if group is None:
+                raise BadRequest(f"group_name {body.get('group_name')!r} is not a weight update group of "
+                                 f"this server (known: {sorted(self._groups)}); call /init_weights_update_group")
+            names, dtypes, shapes = (body.get(k) for k in ("names", "dtypes", "shapes"))
+            if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                    and len(names) == len(dtypes) == len(shapes)):
+                raise BadRequest("names, dtypes and shapes must be lists of one length")
+            for dtype in dtypes:
+                if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+                    raise BadRequest(f"dtypes: {dtype!r} is not a torch dtype name")
+            version = body.get("weight_version")
+            if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+                raise BadRequest(f"weight_version must be an int >= 0, got {version!r}")
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        loop = asyncio.get_running_loop()
+        async with self._weights_lock:
+            # Receive first, whatever happens next: the trainer is broadcasting already.
+            received = await loop.run_in_executor(None, self._receive_bucket, group, names, dtypes, shapes)
+            self._staged.update(received)
+            try:
+                self.llm.validate_weights(self._staged, strict=False)  # names, shapes, dtypes
+                try:
+                    self.llm.validate_weights(self._staged, strict=True)  # every tensor covered?
+                except ValueError:
+                    return web.json_response({"success": True, "message": "staged",
+                                              "staged_tensors": len(self._staged)})
+                staged, self._staged = self._staged, {}
+                restarted = await loop.run_in_executor(
+                    None, lambda: self.llm.update_weights(staged, version=version, recompute_running=True))
+            except (TypeError, ValueError) as exc:
+                self._staged = {}
+                return _error(400, f"weight update refused: {exc}")
+        logger.info("weights version %d received by broadcast (%d tensors, %d running sequences "
+                    "re-prefilled)", self.llm.version, len(staged), restarted)
+        return web.json_response({"success": True, "message": "ok", "weight_version": self.llm.version,
+                                  "num_restarted": restarted})
+
     # ------------------------------------------------------------------ lifecycle
 
     async def _start_site(self) -> None:
@@ -268,13 +374,21 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-block-size", type=int, default=64)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
+                        help="default: on for a CUDA device")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     model = UnifiedCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
                                             device=args.device, kernels=args.kernels)
+    graphs = args.device.startswith("cuda") if args.cuda_graphs is None else args.cuda_graphs == "on"
     config = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_model_len=min(args.max_model_len, model.config.max_positions),
-                          seed=args.seed, cuda_graphs=args.device.startswith("cuda"))
+                          seed=args.seed, cuda_graphs=graphs, kv_block_size=args.kv_block_size,
+                          num_kv_blocks=args.num_kv_blocks,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
     with LLM(model, config) as llm:
         server = TikServer(llm, args.host, args.port).start()
         logger.info("serving on http://%s", server.address)

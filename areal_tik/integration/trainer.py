@@ -4,7 +4,8 @@
   an early error when the in-process engine is asked for outside SPMD mode, and the
   config-level reuse refusals handed to the actor once it exists.
 - ``wrap_init_rollout``: the in-process areal-tik engine instead of SGLang/vLLM when
-  ``rollout.tik_engine`` resolves to "inprocess" (the eval engine shares its LLM).
+  ``rollout.tik_engine`` resolves to "inprocess" (the eval engine shares its LLM), or
+  AReaL's RemoteInfEngine over areal-tik servers for "server".
 - ``wrap_load_expr_config``: stock scripts asking for ``GRPOConfig``/``PPOConfig`` get
   the areal-tik subclasses, so the YAML may carry the flag; unknown keys keep raising,
   with the areal-tik options listed.
@@ -50,7 +51,7 @@ def wrap_trainer_init(original):
         if isinstance(config, TikPPOConfig):
             if config.stats_logger.wandb.mode == "offline":
                 os.environ.setdefault("WANDB_MODE", "offline")
-            if engine_mode(config) == "inprocess" and is_single_controller():
+            if engine_mode(config) in ("inprocess", "server") and is_single_controller():
                 raise ValueError("the in-process areal-tik rollout engine lives inside the training "
                                  "processes (AReaL's SPMD mode); " + SPMD_HINT)
         original(self, config, *args, **kwargs)
@@ -61,10 +62,41 @@ def wrap_trainer_init(original):
     return __init__
 
 
+def _server_engine(trainer, rollout_config, is_eval: bool):
+    """A TikRemoteInfEngine over ``rollout.tik_server_addrs``, or over one areal-tik server
+    launched for this training process on its device (the eval engine shares it)."""
+    from .remote import TikRemoteInfEngine
+
+    config = deepcopy(rollout_config)
+    if is_eval:
+        config.max_head_offpolicyness = int(1e12)  # as AReaL: no staleness control in eval
+    actor = trainer.config.actor
+    engine = TikRemoteInfEngine(config)
+    if config.tik_server_addrs:
+        addrs = list(config.tik_server_addrs)
+    elif is_eval:
+        addrs = list(trainer.rollout.addresses)
+    else:
+        device = _device()
+        addrs = [engine.launch_local_server({
+            "model": actor.path, "dtype": actor.dtype, "kernels": actor.tik_kernels, "device": str(device),
+            "max_num_seqs": config.tik_max_num_seqs, "max_model_len": config.tik_max_model_len,
+            "seed": config.tik_seed, "kv_block_size": config.tik_kv_block_size,
+            "num_kv_blocks": config.tik_num_kv_blocks,
+            "gpu_memory_utilization": config.tik_gpu_memory_utilization,
+            "cuda_graphs": "on" if config.tik_cuda_graphs and device.type == "cuda" else "off"})]
+    engine.initialize(engine_id=f"{'eval-' if is_eval else ''}rank{os.environ.get('RANK', '0')}", addr=addrs,
+                      train_data_parallel_size=trainer.actor_alloc.parallel.dp_size)
+    return engine
+
+
 def wrap_init_rollout(original):
     @functools.wraps(original)
     def _init_rollout(self, rollout_config, is_eval: bool = False, lora_path=None):
-        if not (isinstance(self.config, TikPPOConfig) and engine_mode(self.config) == "inprocess"):
+        mode = engine_mode(self.config) if isinstance(self.config, TikPPOConfig) else "off"
+        if mode == "server":
+            return _server_engine(self, rollout_config, is_eval)
+        if mode != "inprocess":
             return original(self, rollout_config, is_eval=is_eval, lora_path=lora_path)
         config = deepcopy(rollout_config)
         shared = None
