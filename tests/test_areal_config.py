@@ -161,3 +161,34 @@ def test_sampling_params_follow_gconfig():
         sampling_params(g.new(min_new_tokens=2), 6, 256)
     with pytest.raises(ValueError, match="n_samples=2"):
         sampling_params(g.new(n_samples=2), 6, 256)
+
+
+def test_server_mode_options(load):
+    config = load(["rollout.tik_engine=server", "actor.weight_update_mode=xccl"])
+    assert engine_mode(config) == "server" and reuse_refusals(config, vocab_size=256) == []
+    config = load(["rollout.tik_engine=server", "+rollout.tik_server_addrs=[a:1,b:2]"])
+    assert config.rollout.tik_server_addrs == ["a:1", "b:2"]
+    with pytest.raises(ValueError, match="tik_server_addrs"):
+        load(["rollout.tik_engine=server", "+rollout.tik_server_addrs=[nohostport]"])
+    with pytest.raises(ValueError, match="needs actor.unified_kernels"):
+        load(["rollout.tik_engine=server", "actor.unified_kernels=false"])
+
+
+def test_server_on_the_trainers_gpu_refuses_nccl_weight_updates(load, monkeypatch):
+    """NCCL cannot broadcast between two processes on one GPU: launching a local server
+    beside the trainer with weight_update_mode=xccl is refused before anything starts."""
+    import types
+
+    import torch
+
+    from areal_tik.integration import trainer as trainer_mod
+
+    config = load(["rollout.tik_engine=server", "actor.weight_update_mode=xccl"])
+    monkeypatch.setattr(trainer_mod, "_device", lambda: torch.device("cuda", 0))
+    launched = []
+    monkeypatch.setattr("areal_tik.integration.remote.TikRemoteInfEngine.launch_local_server",
+                        lambda self, args: launched.append(args))
+    fake_trainer = types.SimpleNamespace(config=config)
+    with pytest.raises(ValueError, match="Duplicate GPU detected"):
+        trainer_mod._server_engine(fake_trainer, config.rollout, is_eval=False)
+    assert not launched

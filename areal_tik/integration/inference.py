@@ -88,7 +88,22 @@ def build_llm(config, model_path: str, dtype: torch.dtype, kernels: str, device)
     return LLM(model, engine_config)
 
 
-class TikInferenceEngine(RemoteInfEngine):
+class TrainerFacingEngine(RemoteInfEngine):
+    """What AReaL's engine classes (``RemoteSGLangEngine``) add to ``RemoteInfEngine`` for
+    the trainer: stats export and the perf tracer."""
+
+    def export_stats(self) -> dict[str, float]:
+        return stats_tracker.export_all(reduce_group=None)
+
+    def save_perf_tracer(self, step: int | None = None, force: bool = False) -> None:
+        perf_tracer.save(step=step, force=force)
+
+    def config_perf_tracer(self, config, rank: int, role: str) -> None:
+        if not perf_tracer.is_configured():
+            perf_tracer.configure(config, rank=rank, role=role)
+
+
+class TikInferenceEngine(TrainerFacingEngine):
     """In-process InferenceEngine over the areal-tik LLM (``is_areal_tik_engine``)."""
 
     is_areal_tik_engine = True
@@ -189,12 +204,3 @@ class TikInferenceEngine(RemoteInfEngine):
     def teardown_server(self):
         return None
 
-    def export_stats(self) -> dict[str, float]:
-        return stats_tracker.export_all(reduce_group=None)
-
-    def save_perf_tracer(self, step: int | None = None, force: bool = False) -> None:
-        perf_tracer.save(step=step, force=force)
-
-    def config_perf_tracer(self, config, rank: int, role: str) -> None:
-        if not perf_tracer.is_configured():
-            perf_tracer.configure(config, rank=rank, role=role)

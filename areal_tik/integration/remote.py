@@ -22,11 +22,10 @@ from typing import Any
 
 from areal.api import ModelRequest, ModelResponse
 from areal.api.io_struct import HttpGenerationResult, HttpRequest, WeightUpdateRequests
-from areal.infra import RemoteInfEngine, workflow_context
+from areal.infra import workflow_context
 from areal.infra.utils.http import arequest_with_retry
-from areal.utils import perf_tracer, stats_tracker
 
-from .inference import new_token_budget
+from .inference import TrainerFacingEngine, new_token_budget
 
 
 @dataclass
@@ -143,7 +142,7 @@ class TikServerBackend:
         return subprocess.Popen(cmd)
 
 
-class TikRemoteInfEngine(RemoteInfEngine):
+class TikRemoteInfEngine(TrainerFacingEngine):
     """``RemoteInfEngine`` whose responses carry the server's per-token weight versions.
 
     ``own_servers``: server processes this engine launched (``launch_local_server``); they
@@ -164,17 +163,6 @@ class TikRemoteInfEngine(RemoteInfEngine):
         port = find_free_ports(1)[0]
         self.own_servers.append(self.backend.launch_server({**server_args, "host": "127.0.0.1", "port": port}))
         return f"127.0.0.1:{port}"
-
-    # what AReaL's engine classes (RemoteSGLangEngine) add to RemoteInfEngine for the trainer
-    def export_stats(self) -> dict[str, float]:
-        return stats_tracker.export_all(reduce_group=None)
-
-    def save_perf_tracer(self, step: int | None = None, force: bool = False) -> None:
-        perf_tracer.save(step=step, force=force)
-
-    def config_perf_tracer(self, config, rank: int, role: str) -> None:
-        if not perf_tracer.is_configured():
-            perf_tracer.configure(config, rank=rank, role=role)
 
     def destroy(self):
         try:

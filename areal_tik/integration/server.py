@@ -283,7 +283,11 @@ class TikServer:
         loop = asyncio.get_running_loop()
         async with self._weights_lock:
             # Receive first, whatever happens next: the trainer is broadcasting already.
-            received = await loop.run_in_executor(None, self._receive_bucket, group, names, dtypes, shapes)
+            try:
+                received = await loop.run_in_executor(None, self._receive_bucket, group, names, dtypes, shapes)
+            except RuntimeError as exc:  # a collective failure (torch's DistBackendError is one)
+                self._staged = {}
+                return _error(500, f"receiving the broadcast failed: {exc}")
             self._staged.update(received)
             try:
                 self.llm.validate_weights(self._staged, strict=False)  # names, shapes, dtypes

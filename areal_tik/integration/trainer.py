@@ -78,6 +78,13 @@ def _server_engine(trainer, rollout_config, is_eval: bool):
         addrs = list(trainer.rollout.addresses)
     else:
         device = _device()
+        if device.type == "cuda" and actor.weight_update_mode == "xccl":
+            raise ValueError(
+                "rollout.tik_engine='server' without tik_server_addrs launches the server on the "
+                f"trainer's own GPU ({device}), and NCCL cannot broadcast between two processes on "
+                "one GPU ('Duplicate GPU detected'). Use actor.weight_update_mode='disk', "
+                "rollout.tik_engine='inprocess' (weights copied in place), or servers on other "
+                "GPUs named in rollout.tik_server_addrs.")
         addrs = [engine.launch_local_server({
             "model": actor.path, "dtype": actor.dtype, "kernels": actor.tik_kernels, "device": str(device),
             "max_num_seqs": config.tik_max_num_seqs, "max_model_len": config.tik_max_model_len,
