@@ -60,7 +60,8 @@ def as_f32(values) -> torch.Tensor:
 def test_binds_loopback_ephemeral_port(served):
     llm, url = served
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
-    assert requests.get(url + "/health", timeout=TIMEOUT).json()["status"] == "ok"
+    health = requests.get(url + "/health", timeout=TIMEOUT).json()
+    assert health["status"] == "ok" and health["kernels"] == "standard"
     assert requests.get(url + "/get_weight_version", timeout=TIMEOUT).json() == {"weight_version": 0}
 
 
@@ -241,35 +242,12 @@ def _serve_engine_args():
 
 @pytest.fixture
 def server_process(tmp_path):
-    """``python -m areal_tik.integration.server`` in its own process (the weight-update
-    group needs the server and the trainer in different processes, as in a real run)."""
-    import os
-    import subprocess
-    import sys
+    """A server in its own process (the weight-update group needs the server and the
+    trainer in different processes, as in a real run)."""
+    from ._server_utils import server_process as start
 
-    from areal.utils.network import find_free_ports
-
-    port = find_free_ports(1)[0]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_tik.integration.server", "--model", _checkpoint(tmp_path / "v0", 0),
-         "--port", str(port), *_serve_engine_args()],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.2)
+    with start(_checkpoint(tmp_path / "v0", 0), *_serve_engine_args()) as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def test_weight_update_by_broadcast_stages_buckets_then_applies_them_at_once(server_process, tmp_path):
@@ -296,6 +274,8 @@ def test_weight_update_by_broadcast_stages_buckets_then_applies_them_at_once(ser
     engine.initialize(addr=url.removeprefix("http://"), train_data_parallel_size=1)
     payload = gen_payload(PROMPTS[0], seed=5, temperature=1.0, ignore_eos=True)
     try:
+        # the trainer's actor refuses reuse unless every server reports the unified kernels
+        assert engine.server_kernels() == {url.removeprefix("http://"): "standard"}
         before = post(url, "/generate", payload).json()["meta_info"]
         meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d1"),
                                 nccl_master_address="127.0.0.1", nccl_master_port=find_free_ports(1)[0],

@@ -151,3 +151,18 @@ def test_grpo_through_an_areal_tik_server(spmd, tiny_model, tmp_path, weight_upd
         assert_exact_first_minibatch(step)
     assert history[0]["ppo_actor/update/grad_norm"] > 0  # step 2 samples from updated weights
     assert state.reuse_active and not state.refusals
+
+
+@pytest.mark.slow
+def test_a_server_on_standard_kernels_refuses_reuse(spmd, tiny_model, tmp_path):
+    """A server started elsewhere (tik_server_addrs) that runs the standard kernels: the
+    actor reads its kernel set and refuses reuse by name; AReaL recomputes."""
+    from ._server_utils import server_process
+
+    with server_process(tiny_model, "--kernels", "standard", "--device", "cpu", "--max-num-seqs", "8",
+                        "--max-model-len", "256") as url:
+        history, state = run(tiny_model, tmp_path, steps=1, overrides=[
+            "rollout.tik_engine=server", f"+rollout.tik_server_addrs=[{url.removeprefix('http://')}]"])
+    assert not state.reuse_active
+    assert any("runs 'standard' kernels" in r for r in state.refusals), state.refusals
+    assert "timeperf/recompute_logp" in history[0]

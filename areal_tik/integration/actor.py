@@ -119,6 +119,9 @@ class TikFSDPPPOActor(FSDPPPOActor):
         if not (self.tik_enabled and is_in_process_engine(engine)):
             if self.tik_flag and not is_tik_engine(engine):
                 self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
+            elif self.tik_enabled and hasattr(engine, "server_kernels"):
+                self.tik_refuse([f"areal-tik server {addr} runs {kind!r} kernels, not 'unified'"
+                                 for addr, kind in engine.server_kernels().items() if kind != "unified"])
             # areal-tik servers take AReaL's own weight updates (disk or NCCL broadcast)
             return super().connect_engine(engine, meta)
         self.rollout_engine = engine

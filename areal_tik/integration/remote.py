@@ -164,6 +164,17 @@ class TikRemoteInfEngine(TrainerFacingEngine):
         self.own_servers.append(self.backend.launch_server({**server_args, "host": "127.0.0.1", "port": port}))
         return f"127.0.0.1:{port}"
 
+    def server_kernels(self, timeout: float = 30.0) -> dict[str, str | None]:
+        """``{address: kernel set}`` as each server's /health reports it."""
+        import json
+        import urllib.request
+
+        found = {}
+        for addr in self.addresses:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=timeout) as r:
+                found[addr] = json.loads(r.read()).get("kernels")
+        return found
+
     def destroy(self):
         try:
             super().destroy()

@@ -22,7 +22,8 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
   "weight_version"}`` receives one bucket of tensors by broadcast from the group's rank 0.
   Buckets are staged and applied together, in one ``LLM.update_weights``, once they cover
   every tensor of the model: no token is ever sampled from half-updated weights.
-- ``GET /health``, ``GET /get_weight_version`` (``{"weight_version": int}``).
+- ``GET /health`` (``{"status", "paused", "kernels"}``), ``GET /get_weight_version``
+  (``{"weight_version": int}``).
 
 ``python -m areal_tik.integration.server --model <path> --port N`` serves a checkpoint.
 """
@@ -175,7 +176,8 @@ class TikServer:
         return web.json_response({"output_ids": list(out.token_ids), "meta_info": meta})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "paused": self.llm.paused})
+        return web.json_response({"status": "ok", "paused": self.llm.paused,
+                                  "kernels": getattr(self.llm.model, "kernels", None)})
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.llm.version})

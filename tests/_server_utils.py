@@ -1,0 +1,36 @@
+"""Start ``python -m areal_tik.integration.server`` in its own process for a test."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+
+@contextlib.contextmanager
+def server_process(model: str, *args: str, timeout: float = 120.0):
+    """Yield the server's ``http://127.0.0.1:<port>`` once /health answers; kill it after."""
+    import requests
+    from areal.utils.network import find_free_ports
+
+    port = find_free_ports(1)[0]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_tik.integration.server", "--model", model, "--port", str(port), *args],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
