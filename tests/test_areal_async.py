@@ -6,6 +6,7 @@ rollout is mid-generation, so that trajectory holds tokens of two versions.
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -79,13 +80,18 @@ def test_stale_tokens_are_recomputed_and_fresh_ones_reused(setup):
     actor, engine, items, kwargs = setup
     old = engine.rollout_batch([items[0]], workflow=WORKFLOW, workflow_kwargs=kwargs)[0]
 
-    # A rollout in flight while the weights change: its later tokens carry version 1.
+    # A rollout in flight while the weights change: its later tokens carry version 1. It
+    # asks for more tokens than the others, and generation is paused around the update (as
+    # AReaL's trainer does), so the update lands mid-request however slow the machine is.
+    long_kwargs = dict(kwargs, gconfig=dataclasses.replace(kwargs["gconfig"], max_new_tokens=48))
     steps = engine.llm.num_steps
-    engine.submit(items[1], workflow=WORKFLOW, workflow_kwargs=kwargs)
+    engine.submit(items[1], workflow=WORKFLOW, workflow_kwargs=long_kwargs)
     deadline = time.monotonic() + 120
     while engine.llm.num_steps < steps + 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.005)
+    engine.pause_generation()
     new_weights(actor, engine, version=1)
+    engine.continue_generation()
     mixed = engine.wait(1, timeout=300)[0]
     fresh = engine.rollout_batch([items[2]], workflow=WORKFLOW, workflow_kwargs=kwargs)[0]
 
