@@ -1,0 +1,49 @@
+"""The end-to-end benchmark's arithmetic (eval/bench_grpo.py): the ratios it reports are
+what the issue notes quote, so they are checked against hand-computed values."""
+from __future__ import annotations
+
+import pytest
+
+from eval.bench_grpo import PHASES, step_rows, summarize
+
+
+def history(step_seconds, recompute, tokens, reward):
+    out = []
+    for s, r, t, w in zip(step_seconds, recompute, tokens, reward):
+        h = {"bench/step_seconds": s, "timeperf/rollout": s / 2, "timeperf/train_step": s / 4,
+             "ppo_actor/n_tokens": t, "ppo_actor/n_valid_tokens": t / 2, "ppo_actor/task_reward/avg": w}
+        if r:
+            h["timeperf/recompute_logp"] = r
+        out.append(h)
+    return out
+
+
+def test_summary_ratios_leave_out_the_warmup_steps():
+    tik = step_rows("m", "tik", history([50.0, 2.0, 2.0], [0, 0, 0], [1000, 1000, 3000], [0.1, 0.2, 0.3]), {})
+    stock = step_rows("m", "stock", history([9.0, 4.0, 6.0], [1.0, 1.0, 2.0], [1000, 1000, 1000],
+                                            [0.1, 0.1, 0.1]), {})
+    assert [r["step"] for r in tik] == [1, 2, 3] and tik[0]["recompute_logp_s"] == 0.0
+    assert set(f"{p}_s" for p in PHASES) <= set(tik[0])
+    lines = summarize(tik + stock, warmup=1)
+    # steps 2-3: tik 4000 tokens in 4 s = 1000/s; stock 2000 tokens in 10 s = 200/s
+    ratio_line = next(line for line in lines if line.startswith("throughput ratio"))
+    assert "(tokens/s): 5.000x" in ratio_line and "step time ratio stock/tik: 2.500x" in ratio_line
+    # skipping stock's recompute alone: 5.0 s -> 3.5 s per step
+    assert any("3.500 s (ratio 1.429x" in line for line in lines)
+    assert any(line.startswith("tik") and " 1000 " in line for line in lines)
+
+
+def test_summary_of_one_mode_has_no_ratio():
+    rows = step_rows("m", "tik", history([3.0, 2.0], [0, 0], [10, 10], [0.0, 0.5]), {})
+    lines = summarize(rows, warmup=1)
+    assert not any(line.startswith("throughput ratio") for line in lines)
+    assert summarize(rows, warmup=5)[2:] == []  # nothing left after the warm-up
+
+
+@pytest.mark.parametrize("bad", ["tik,nope", "fast"])
+def test_unknown_mode_is_named(bad, capsys):
+    from eval.bench_grpo import main
+
+    with pytest.raises(SystemExit):
+        main(["--modes", bad])
+    assert "unknown mode" in capsys.readouterr().err
