@@ -4,12 +4,12 @@
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn check bench_rollout
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 # Each device call runs at most 10 minutes: pass the stages that fit.
-# AReaL's runtime dependencies are not on the GPU image: build a tarball of their wheels
-# (cp312 manylinux, pip download --no-deps; sdists without such a wheel are built there),
-# split it into parts that each fit one call's carry, and carry one part per call in
-# .carry/ ("stage" copies it to $STAGE); "deps" joins the parts and installs them into
-# $SITE, which every later stage puts on PYTHONPATH. The machine must stay warm between
-# these calls.
+# AReaL's runtime dependencies are not on the GPU image: `bash scripts/gpu_wheels.sh`
+# builds parts of a tarball of their wheels (requirements/gpu-carry.txt; cp312 manylinux;
+# sdists without such a wheel are built there), each fitting one call's carry. Carry one
+# part per call in .carry/ ("stage" copies it to $STAGE); "deps" joins the parts and
+# installs them into $SITE, which every later stage puts on PYTHONPATH. The machine must
+# stay warm between these calls (back to back: it is released after 30 s idle).
 # Logs (one per stage) and CSVs are written to a work folder and packed into one
 # tarball under $OUT (default eval/results/run), so that one file comes back.
 set -u
