@@ -15,6 +15,16 @@ def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture
+def spmd_env(monkeypatch):
+    """The environment of a one-process AReaL SPMD run on gloo, as the launcher sets it
+    (a free rendezvous port each time), offline."""
+    from areal_tik.integration.launch import spmd_environment
+
+    for key, value in {**spmd_environment({}), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}.items():
+        monkeypatch.setenv(key, value)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

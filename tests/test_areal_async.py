@@ -7,7 +7,6 @@ rollout is mid-generation, so that trajectory holds tokens of two versions.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 
 import pytest
@@ -21,17 +20,6 @@ from areal_tik.integration.tiny import make_tiny_checkpoint  # noqa: E402
 from areal_tik.unified_kernels import bits  # noqa: E402
 
 WORKFLOW = "areal.workflow.rlvr.RLVRWorkflow"
-
-
-@pytest.fixture
-def spmd_env(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(AREAL_SPMD_MODE="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                           LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           HF_HUB_OFFLINE="1").items():
-        monkeypatch.setenv(key, value)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ areal-tik engine and the model a tiny random Llama on the Triton interpreter.
 """
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -29,15 +28,8 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture
-def spmd(monkeypatch):
-    """One-process SPMD run on gloo, as the launcher sets it up."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(AREAL_SPMD_MODE="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                           LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           HF_HUB_OFFLINE="1", WANDB_MODE="offline").items():
-        monkeypatch.setenv(key, value)
+def spmd(spmd_env):
+    """One-process SPMD run on gloo with the areal-tik patches, as the launcher sets it up."""
     with patches.apply("areal"):
         yield
 

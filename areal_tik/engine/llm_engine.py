@@ -27,7 +27,7 @@ from .model_runner import ModelRunner
 from .progress import Progress
 from .scheduler import Scheduler
 from .sequence import GenerationOutput, Sequence
-from .weight_update import apply_update, as_state_dict, plan_update
+from .weight_update import apply_update, as_state_dict, missing_names, plan_update
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +137,13 @@ class LLM:
         """asyncio-friendly ``submit``: awaits the request's ``GenerationOutput``."""
         return await asyncio.wrap_future(self.submit(prompt_ids, params))
 
-    def validate_weights(self, weights, strict: bool = True) -> None:
-        """Raise what ``update_weights(weights, strict=strict)`` would raise; copy nothing."""
-        plan_update(self._weight_target().state_dict(), as_state_dict(weights), strict=strict)
+    def validate_weights(self, weights) -> list[str]:
+        """Raise what a partial ``update_weights(weights, strict=False)`` would raise (unknown
+        names, shape or dtype mismatches); return the model's tensor names ``weights`` does
+        not cover. Copies nothing."""
+        target, source = self._weight_target().state_dict(), as_state_dict(weights)
+        plan_update(target, source, strict=False)
+        return missing_names(target, source)
 
     def update_weights(self, weights, version: int | None = None, strict: bool = True,
                        recompute_running: bool = True) -> int:

@@ -43,12 +43,18 @@ def plan_update(target: Mapping[str, torch.Tensor], source: Mapping[str, torch.T
             raise TypeError(f"weights[{name!r}] has dtype {src.dtype}, the model's is {dst.dtype}")
         pairs.append((dst, src))
     if strict:
-        covered = {_storage_key(target[name]) for name in source}
-        missing = sorted(n for n, t in target.items() if _storage_key(t) not in covered)
+        missing = missing_names(target, source)
         if missing:
             raise ValueError(f"weights lacks {len(missing)} of the model's tensors, e.g. {missing[:3]} "
                              "(pass strict=False for a partial update)")
     return pairs
+
+
+def missing_names(target: Mapping[str, torch.Tensor], source: Mapping[str, torch.Tensor]) -> list[str]:
+    """The target's names that ``source`` leaves unchanged (a tied tensor counts as covered
+    when any of its names is in ``source``)."""
+    covered = {_storage_key(target[name]) for name in source if name in target}
+    return sorted(n for n, t in target.items() if _storage_key(t) not in covered)
 
 
 @torch.no_grad()
