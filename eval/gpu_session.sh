@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn check bench_rollout
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
+#           bench_train
 # Each device call runs at most 10 minutes: pass the stages that fit.
 # AReaL's runtime dependencies are not on the GPU image: `bash scripts/gpu_wheels.sh`
 # builds parts of a tarball of their wheels (requirements/gpu-carry.txt; cp312 manylinux;
@@ -55,6 +56,9 @@ for s in $STAGES; do case $s in
             run "$s" 560 python3 -m eval.bench_grpo --model "$model" --modes "$mode" --steps "${GRPO_STEPS:-20}" \
                 --max-new-tokens "${GRPO_MAX_NEW:-128}" --out "$GRPO_OUT" --workdir /tmp/grpo-bench --with-existing
             cp "$GRPO_OUT"/* "$W/csv"/ 2>/dev/null ;;
+  # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
+  # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
+  bench_train) run bench_train 420 python3 eval/bench_train.py --out "$W/csv" ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

@@ -339,7 +339,15 @@ def test_gpu_backward_and_determinism():
         (lp * g_lp + ent * g_ent).sum().backward()
         return h.grad, w.grad
 
-    first, second = grads(), grads()
+    first = grads()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        second = grads()
+        torch.cuda.synchronize()
+    names = {evt.name for evt in prof.events()}
+    # cuBLAS kernels with fp32 operands (SIMT sgemm, xmma gemm_f32f32_*) must not run:
+    # every backward GEMM takes the bf16 operands to the tensor cores.
+    fp32 = sorted(n for n in names if "sgemm" in n.lower() or "gemm_f32f32" in n.lower())
+    assert len(names) >= 3 and not fp32, (fp32, sorted(names))
     for a, b in zip(first, second):
         assert_bitwise(a, b, "deterministic backward")
     ref_h, ref_w = _f64_grads(hidden, weight, targets, 0.7, g_lp, g_ent, torch.bfloat16)

@@ -5,6 +5,7 @@ Every launcher validates its inputs with these helpers so that bad input raises 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable, Sequence
 
@@ -68,6 +69,43 @@ def check_positive_float(name: str, value) -> float:
     if not value > 0 or value != value or value == float("inf"):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return value
+
+
+@contextlib.contextmanager
+def fp32_reductions():
+    """cuBLAS bf16/fp16 GEMMs inside this block reduce in fp32 (their compute type).
+
+    cuBLAS accumulates bf16 products in fp32, but by default torch lets it reduce split-K
+    partial sums in the output type; backward GEMMs over the token dimension (dW, K = T
+    in the thousands) are exactly the shapes that split K. The setting is read at each
+    GEMM call, so it is switched off for the block and restored (also on error).
+    """
+    matmul = torch.backends.cuda.matmul
+    saved = [matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction]
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved[0]
+        matmul.allow_fp16_reduced_precision_reduction = saved[1]
+
+
+def grad_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for backward passes: fp32 accumulation, one rounding to ``a.dtype``.
+
+    CUDA bf16: a cuBLAS bf16 GEMM on the tensor cores with fp32 reductions
+    (``fp32_reductions``); deterministic for fixed shapes on one GPU model (cuBLAS's
+    reproducibility guarantee; no atomics). fp32 operands use torch's fp32 matmul (TF32
+    only if the user turned it on globally). On CPU (interpreter tests) bf16 operands are
+    upcast: their products are exact in fp32, so that is the same fp32-accumulated sum.
+    """
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        with fp32_reductions():
+            return a @ b
+    return (a.float() @ b.float()).to(a.dtype)
 
 
 _INT_VIEW = {

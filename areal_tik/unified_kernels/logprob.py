@@ -20,7 +20,9 @@ Peak extra memory is the [3, n_splits, T] fp32 state, never [T, V].
 
 Backward (no bitwise requirement, deterministic): per vocabulary chunk, recompute the
 logits with cuBLAS, form dz/T in one Triton pass and apply two matmuls, so [T, V] is
-never materialised either.
+never materialised either. Every GEMM takes bf16 operands on the tensor cores with fp32
+accumulation and fp32 split-K reductions (``_common.fp32_reductions``); dHidden sums the
+chunks in fp32 (``mm(..., out_dtype=float32)``), dW is one bf16 rounding per row.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor,
-                      interpreting)
+                      fp32_reductions, grad_mm, interpreting)
 from ._rounding import cast_rne
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -291,9 +293,13 @@ def _mm_f32(a, b):
     """``a @ b`` with an fp32 result and fp32 accumulation, for bf16 or fp32 operands."""
     if a.dtype == torch.float32:
         return a @ b
-    if a.is_cuda and _mm_out_dtype_ok():
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()  # bf16 products are exact in fp32
+    if a.is_cuda:
+        if _mm_out_dtype_ok():
+            return torch.mm(a, b, out_dtype=torch.float32)
+        # A torch without mm(out_dtype=): still tensor cores (never an fp32 SIMT GEMM),
+        # at the cost of one bf16 rounding per vocabulary chunk.
+        return grad_mm(a, b).float()
+    return a.float() @ b.float()  # CPU: bf16 products are exact in fp32
 
 
 def _bwd_chunk(T: int, V: int) -> int:
@@ -303,10 +309,17 @@ def _bwd_chunk(T: int, V: int) -> int:
 
 def _backward(hidden, weight, targets, temperature, lse, ent, g_lp, g_ent, need_h, need_w):
     T, H = hidden.shape
-    V = weight.shape[0]
-    chunk = _bwd_chunk(T, V)
+    chunk = _bwd_chunk(T, weight.shape[0])
     d_hidden = torch.zeros((T, H), dtype=torch.float32, device=hidden.device) if need_h else None
     d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+    with fp32_reductions():
+        _backward_chunks(hidden, weight, targets, temperature, lse, ent, g_lp, g_ent, d_hidden, d_weight, chunk)
+    return (d_hidden.to(hidden.dtype) if need_h else None), d_weight
+
+
+def _backward_chunks(hidden, weight, targets, temperature, lse, ent, g_lp, g_ent, d_hidden, d_weight, chunk):
+    """Accumulate into ``d_hidden`` (fp32, or None) and write ``d_weight`` (or None) chunk by chunk."""
+    T, V = hidden.shape[0], weight.shape[0]
     entropy = ent is not None
     bt, bc = _BWD_BLOCK
     for v0 in range(0, V, chunk):
@@ -320,12 +333,11 @@ def _backward(hidden, weight, targets, temperature, lse, ent, g_lp, g_ent, need_
             BLOCK_T=bt, BLOCK_C=bc, ENTROPY=entropy,
             INTERPRET=interpreting(),
         )
-        if need_h:
+        if d_hidden is not None:
             d_hidden += _mm_f32(dz, w_c)
-        if need_w:
+        if d_weight is not None:
             torch.mm(dz.t(), hidden, out=d_weight[v0:v0 + C])
         del logits, dz  # free before the next chunk allocates
-    return (d_hidden.to(hidden.dtype) if need_h else None), d_weight
 
 
 class _TokenLogprobs(torch.autograd.Function):

@@ -1,0 +1,383 @@
+"""Training step: the unified packed forward + backward of token log-probs vs the fastest
+stock step we can assemble, side by side in one process.
+
+Usage (GPU, repo root):
+    python3 eval/bench_train.py [--quick] [--models M,...] [--packings P,...] [--out DIR_OR_CSV]
+
+Models: random init from the published configs (Qwen3-0.6B, Qwen3-1.7B, Llama-3.2-1B).
+Packings: ``grpo`` (64 sequences: prompt 48..80 + answer 64 + 256 u^3 tokens, u uniform,
+12.3k tokens: a long-tailed GRPO length mix) and ``4x4096``; any ``NxL`` works. One step:
+forward, token log-probs at T = 1 of the next token, loss = sum(logprob * g) with a fixed
+random g, backward into the parameters (no optimizer, no gradient checkpointing).
+
+Paths (one Hugging Face module, one set of parameters):
+- ``ours``: ``UnifiedCausalLM.forward_logprobs`` on the unified kernels (fused LM-head log-prob).
+- ``stock``: the Hugging Face model's own forward (cuBLAS bf16 GEMMs, HF eager norms, rope
+  and SiLU) with attention registered through transformers' ``AttentionInterface``: torch's
+  FlashAttention varlen over ``cu_seq_lens_q`` (no mask), then bf16 logits [T, V] and AReaL
+  1.0.4's ``gather_logprobs`` (torch.compile'd ``log_softmax(logits.float() / T)`` + gather
+  in 1024-token chunks), or, where AReaL does not import, a stand-in written to match it
+  (named in the output).
+- ``liger``: the HF body + Liger-Kernel's fused linear cross-entropy (per-token, negated),
+  if ``liger_kernel`` imports; else "liger: not installed, column skipped".
+
+Printed per case: ms per step (median of --steps after --warmup; wall clock between CUDA
+synchronisations, Python included), the first call (compilation included: Triton and
+Inductor caches start empty in each run unless --warm-cache), stock / ours (> 1: ours is
+faster), peak memory, MFU (model FLOPs 6 N T + causal attention 6 L^2 Hq D per layer and
+sequence, over the measured 790 TFLOP/s bf16 ceiling), and agreement with stock: relative
+Frobenius error of all gradients, the worst parameter, max |delta logprob|, and whether
+ours repeats bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+if __name__ == "__main__" and "--warm-cache" not in sys.argv:
+    # Fresh compilation caches, set before torch and triton read them: the first call is cold.
+    _CACHE = tempfile.mkdtemp(prefix="bench-train-cache-")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE, "triton")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE, "inductor")
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU smoke runs: before kernels import
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from eval.harness import run_info, write_csv  # noqa: E402
+
+from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
+from areal_tik.model.ops import _flash_varlen, get_ops  # noqa: E402
+from areal_tik.model.spec import ModelSpec  # noqa: E402
+from areal_tik.unified_kernels import bitwise_equal  # noqa: E402
+
+PEAK_TFLOPS = 790.0  # measured bf16 dense matmul on the H200
+MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "llama-3.2-1b": "Llama-3.2-1B"}
+TINY = {"tiny-qwen3": "qwen3", "tiny-llama": "llama"}  # CPU smoke runs
+PACKINGS = ("grpo", "4x4096")
+ATTN_NAME = "bench_train_varlen"
+TEMPERATURE = 1.0  # Liger's loss has no temperature
+
+
+# ------------------------------------------------------------------ workload
+
+
+def packing(name: str, seed: int = 0) -> list[int]:
+    """Sequence lengths of a packing: ``grpo`` or ``NxL``."""
+    if name == "grpo":
+        g = random.Random(seed)
+        return [g.randint(48, 80) + 64 + int(256 * g.random() ** 3) for _ in range(64)]
+    match = re.fullmatch(r"(\d+)x(\d+)", name)
+    if not match or int(match[1]) < 1 or int(match[2]) < 2:
+        raise ValueError(f"packing must be 'grpo' or NxL (N >= 1, L >= 2), got {name!r}")
+    return [int(match[2])] * int(match[1])
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, 0.. per sequence
+    cu_seqlens: torch.Tensor  # [n + 1] int32
+    max_seqlen: int
+    targets: torch.Tensor  # [T] next token (AReaL's roll over the packed row)
+    grad_weights: torch.Tensor  # [T] fp32 g of loss = sum(logprob * g)
+
+
+def make_batch(lengths: list[int], vocab: int, device, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    ids = torch.randint(0, vocab, (tokens,), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    weights = torch.randn(tokens, generator=g) / tokens ** 0.5
+    return Batch(ids.to(device), positions.to(device), cu.to(device), max(lengths),
+                 torch.roll(ids, -1).to(device), weights.to(device))
+
+
+def step_flops(spec: ModelSpec, lengths: list[int]) -> float:
+    """Model FLOPs of one forward + backward: 6 N T for the matmul parameters (LM head
+    included, embedding lookup not) + causal attention 6 L^2 Hq D per layer and sequence."""
+    h, q, kv = spec.hidden, spec.q_size, spec.kv_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate
+    params = spec.n_layers * per_layer + spec.vocab * h
+    attention = sum(6 * n * n * q for n in lengths) * spec.n_layers
+    return 6.0 * params * sum(lengths) + attention
+
+
+# ------------------------------------------------------------------ the stock path
+
+
+def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention over packed rows: q/k/v ``[1, H, T, D]`` -> ``([1, T, Hq, D], None)``."""
+    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    found = _flash_varlen() if q.is_cuda else None
+    if found is None:  # CPU smoke runs: the project's standard op (SDPA per sequence)
+        return get_ops("standard").attention_varlen(q, k, v, cu, max_len, scaling)[None], None
+    varlen_attn, causal, has_gqa, has_scale = found
+    extra = dict(causal, **({"scale": scaling} if has_scale else {}))
+    if k.shape[1] != q.shape[1]:
+        if has_gqa:
+            extra["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+    return (out[0] if isinstance(out, tuple) else out)[None], None
+
+
+def stock_attention_label(device) -> str:
+    found = _flash_varlen() if torch.device(device).type == "cuda" else None
+    if found is None:
+        return "SDPA per sequence (no torch varlen_attn here)"
+    return "torch FlashAttention varlen_attn" + ("" if found[2] else " (K/V heads repeated for GQA)")
+
+
+def _gather_chunk(logits, labels, temperature):
+    log_probs = torch.nn.functional.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs.gather(dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+
+
+_gather_chunk_compiled = torch.compile(_gather_chunk)
+
+
+def _standin_gather_logprobs(logits, labels, temperature=1.0, chunk_size=1024):
+    """AReaL 1.0.4's gather_logprobs re-stated: the compiled chunk function over 1024-row chunks."""
+    return torch.cat([_gather_chunk_compiled(logits[i:i + chunk_size], labels[i:i + chunk_size], temperature)
+                      for i in range(0, logits.shape[0], chunk_size)])
+
+
+def stock_logprob_fn():
+    """(gather_logprobs, label): AReaL's own, else the stand-in, saying why."""
+    try:
+        from importlib.metadata import version
+
+        from areal.utils.functional import gather_logprobs
+        return gather_logprobs, f"AReaL {version('areal')} gather_logprobs (torch.compile, 1024-token chunks)"
+    except Exception as exc:  # AReaL or one of its imports is not on this image
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+        return _standin_gather_logprobs, f"stand-in: torch.compile'd chunked log_softmax+gather as AReaL's ({why})"
+
+
+def liger_loss():
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+
+# ------------------------------------------------------------------ steps
+
+
+def _hf_kwargs(b: Batch) -> dict:
+    return dict(input_ids=b.input_ids[None], position_ids=b.positions[None], use_cache=False,
+                cu_seq_lens_q=b.cu_seqlens, cu_seq_lens_k=b.cu_seqlens,
+                max_length_q=b.max_seqlen, max_length_k=b.max_seqlen)
+
+
+def make_steps(hf, b: Batch, gather, liger) -> dict:
+    """name -> step(): one forward + backward; returns the detached log-probs."""
+    ours = UnifiedCausalLM.from_hf(hf, kernels="unified")
+
+    def finish(lp):
+        (lp * b.grad_weights).sum().backward()
+        return lp.detach()
+
+    def step_ours():
+        return finish(ours.forward_logprobs(b.input_ids, b.positions, b.cu_seqlens, b.max_seqlen,
+                                            b.targets, TEMPERATURE))
+
+    def step_stock():
+        logits = hf(**_hf_kwargs(b)).logits[0]
+        return finish(gather(logits, b.targets, TEMPERATURE))
+
+    def step_liger():
+        hidden = hf.model(**_hf_kwargs(b)).last_hidden_state[0]
+        return finish(-liger(hf.get_output_embeddings().weight, hidden, b.targets))
+
+    steps = {"ours": step_ours, "stock": step_stock}
+    if liger is not None:
+        steps["liger"] = step_liger
+    return steps
+
+
+# ------------------------------------------------------------------ measurement
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _zero(params):
+    for p in params:
+        p.grad = None
+
+
+def _timed(step, params, device) -> float:
+    _zero(params)
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure(step, params, device, steps: int, warmup: int) -> dict:
+    """first-call ms, median/p20/p80 ms of ``steps`` after ``warmup``, peak memory (GiB)."""
+    first = _timed(step, params, device)
+    for _ in range(warmup):
+        _timed(step, params, device)
+    times = sorted(_timed(step, params, device) for _ in range(steps))
+    out = {"first_ms": first, "median_ms": statistics.median(times),
+           "p20_ms": times[int(0.2 * (len(times) - 1))], "p80_ms": times[int(0.8 * (len(times) - 1))]}
+    if torch.device(device).type == "cuda":
+        _zero(params)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_over_params_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+    return out
+
+
+def _grads(step, named):
+    _zero([p for _, p in named])
+    lp = step()
+    return lp, [p.grad.detach().clone() for _, p in named]
+
+
+def compare(steps: dict, named) -> dict:
+    """Gradients and log-probs of ours vs stock, and ours vs ours again (bits)."""
+    lp_stock, g_stock = _grads(steps["stock"], named)
+    lp_ours, g_ours = _grads(steps["ours"], named)
+    diff2 = ref2 = 0.0
+    worst = (0.0, "")
+    for (name, _), a, b in zip(named, g_ours, g_stock):
+        d2, r2 = (a.double() - b.double()).pow(2).sum().item(), b.double().pow(2).sum().item()
+        diff2, ref2 = diff2 + d2, ref2 + r2
+        worst = max(worst, ((d2 / max(r2, 1e-300)) ** 0.5, name))
+    del g_stock
+    lp_again, g_again = _grads(steps["ours"], named)
+    repeat = all(bitwise_equal(a, b) for a, b in zip(g_ours, g_again)) and bitwise_equal(lp_ours, lp_again)
+    return {"grad_rel_err": (diff2 / max(ref2, 1e-300)) ** 0.5, "grad_worst_rel_err": worst[0],
+            "grad_worst_param": worst[1], "lp_max_abs_diff": (lp_ours - lp_stock).abs().max().item(),
+            "lp_bitwise_fraction": (lp_ours.view(torch.int32) == lp_stock.view(torch.int32)).float().mean().item(),
+            "ours_repeat_bitwise": repeat}
+
+
+# ------------------------------------------------------------------ driver
+
+
+def build_model(name: str, device):
+    config = tiny_config(TINY[name]) if name in TINY else published_config(MODELS[name])
+    hf = random_model(config, dtype=torch.bfloat16, device=device, seed=0)
+    hf.set_attn_implementation(ATTN_NAME)
+    return hf
+
+
+def _fmt(m: dict) -> str:
+    if "error" in m:
+        return f"ERROR {m['error']}"
+    peak = f", peak {m['peak_gib']:.1f} GiB" if "peak_gib" in m else ""
+    return f"{m['median_ms']:.1f} ms (first {m['first_ms']:.0f} ms{peak}, MFU {100 * m['mfu']:.1f}%)"
+
+
+def run_case(model: str, pack: str, args, gather, liger, device) -> list[dict]:
+    """Time every path for one (model, packing); returns long-format CSV rows."""
+    hf = build_model(model, device)
+    spec = ModelSpec.from_hf_config(hf.config)
+    lengths = packing(pack)
+    batch = make_batch(lengths, spec.vocab, device)
+    named = [(n, p) for n, p in hf.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    steps = make_steps(hf, batch, gather, liger)
+    flops = step_flops(spec, lengths)
+    results = {}
+    for path, step in steps.items():
+        try:
+            m = results[path] = measure(step, params, device, args.steps, args.warmup)
+            m["tflops"] = flops / (m["median_ms"] * 1e-3) / 1e12
+            m["mfu"] = m["tflops"] / PEAK_TFLOPS
+        except Exception as exc:  # one failing path must not hide the others' numbers
+            traceback.print_exc()
+            results[path] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+            _zero(params)
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    try:
+        agreement = compare(steps, named)
+    except Exception as exc:
+        traceback.print_exc()
+        agreement = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+    _zero(params)
+    line = [f"{model} {pack} T={sum(lengths)}"] + [f"{path}: {_fmt(m)}" for path, m in results.items()]
+    if liger is None:
+        line.append("liger: not installed, column skipped")
+    ours, stock = results["ours"].get("median_ms"), results["stock"].get("median_ms")
+    if ours and stock:
+        results["compare"] = {**agreement, "stock_over_ours": stock / ours}
+        line.append(f"stock/ours {stock / ours:.2f}x")
+    else:
+        results["compare"] = agreement
+    line.append(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in agreement.items()))
+    print(" | ".join(line), flush=True)
+    base = {"model": model, "packing": pack, "tokens": sum(lengths), "sequences": len(lengths),
+            "step_gflop": flops / 1e9}
+    return [{**base, "path": path, "metric": key, "value": value}
+            for path, m in results.items() for key, value in m.items()]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPO / "eval" / "results"), help="CSV file or folder")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {[*MODELS, *TINY]}")
+    parser.add_argument("--packings", default=",".join(PACKINGS), help="comma list: grpo, NxL")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first call")
+    parser.add_argument("--quick", action="store_true", help="Qwen3-0.6B at the GRPO packing only")
+    parser.add_argument("--warm-cache", action="store_true", help="keep the Triton/Inductor disk caches")
+    args = parser.parse_args(argv)
+    models = ["qwen3-0.6b"] if args.quick else args.models.split(",")
+    packs = ["grpo"] if args.quick else args.packings.split(",")
+    for name in models:
+        if name not in MODELS and name not in TINY:
+            raise SystemExit(f"--models: unknown {name!r}; known: {[*MODELS, *TINY]}")
+    for pack in packs:
+        packing(pack)  # bad names fail before any model is built
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    import transformers
+    transformers.AttentionInterface.register(ATTN_NAME, _varlen_attention)
+    gather, gather_label = stock_logprob_fn()
+    liger = liger_loss()
+    notes = {"stock_attention": stock_attention_label(device), "stock_logprob": gather_label,
+             "liger": "installed" if liger is not None else "not installed, column skipped",
+             "caches": "warm (as found)" if args.warm_cache else "fresh per run",
+             "transformers": transformers.__version__}
+    for key, value in notes.items():
+        print(f"{key}: {value}", flush=True)
+    rows = []
+    for name, pack in itertools.product(models, packs):
+        rows += run_case(name, pack, args, gather, liger, device)
+        torch.cuda.empty_cache() if device == "cuda" else None
+    info = {**run_info(device), **notes}
+    path = write_csv([{**info, **row} for row in rows], args.out, "bench_train.csv")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
