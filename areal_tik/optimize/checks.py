@@ -107,7 +107,11 @@ def check_side_stream(op, impl, root, w, inputs, device) -> None:
 
 def check_pointer_cache(op, impl, root, w, inputs, seed) -> None:
     first = _outputs(op, impl, w, inputs)
-    op.refill(w, inputs, seed + 7919)  # same tensors, same pointers, new contents
+    before = {k: v.clone() for k, v in inputs.items()}
+    for extra in (7919, 7920):  # same tensors, same pointers, new contents
+        op.refill(w, inputs, seed + extra)
+        if not all(torch.equal(bit_view(v), bit_view(before[k])) for k, v in inputs.items()):
+            break
     second = _outputs(op, impl, w, inputs)
     expect_bits(f"pointer_cache: {w.name} after an in-place input change", second,
                 _outputs(op, root, w, inputs))
