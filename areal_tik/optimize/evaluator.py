@@ -112,7 +112,8 @@ def init_run(path, op_name: str, grid: str, device: str = "cpu", cap: float = 1.
 
 
 def propose(run: RunDir, op, *, delta: dict | None = None, source_path=None, parent: str | None = None,
-            proposer: str = "manual", note: str = "", tokens: int = 0) -> Candidate:
+            proposer: str = "manual", note: str = "", tokens: int = 0,
+            check_duplicates: bool = True) -> Candidate:
     """Record a candidate (a config delta on ``parent``, default the incumbent, or a source
     file) with its action and lineage. A config already tried is refused, naming it."""
     if (delta is None) == (source_path is None):
@@ -125,7 +126,7 @@ def propose(run: RunDir, op, *, delta: dict | None = None, source_path=None, par
             if not isinstance(delta, dict) or not delta:
                 raise ValueError(f"delta must be a non-empty dict of config fields, got {delta!r}")
             config = op.apply(base.config, delta)
-            for other in run.all("candidates"):
+            for other in run.all("candidates") if check_duplicates else ():
                 if other.kind != "source" and other.config == config:
                     raise RunError(f"config {json.dumps(delta)} on {parent} is candidate {other.id}")
             source, kind = None, "config"
@@ -216,7 +217,7 @@ class Evaluator:
                             time.time() - start)
 
     def _seed(self) -> int:
-        return self.run.config.seed + 1 + len(self.run.all("audits"))
+        return self.run.config.seed + 1 + sum(1 for _ in (self.run.path / "audits").glob("*.json"))
 
     def _record(self, cand, incumbent, passed, promotable, reasons, checks, rows, totals, seconds):
         t_c, t_i, t_r = totals
@@ -227,7 +228,7 @@ class Evaluator:
             self.run.put(audit)
             lineage = self.run.get("lineage", cand.id)
             lineage.audits.append(audit.id)
-            if lineage.status in ("proposed", "failed", "passed", "eliminated"):
+            if lineage.status in ("proposed", "failed", "passed", "eliminated", "survivor"):
                 lineage.status = "passed" if passed else "failed"
             self.run.put(lineage)
             state = self.run.state()

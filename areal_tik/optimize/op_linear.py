@@ -153,11 +153,13 @@ class LinearOp(Op):
 
     def moves(self, config: dict) -> list[dict]:
         impl = LinearImpl(config)
+        # Variant-major order: one geometry (one compile) across all groups before the
+        # next, so a budget cut leaves whole geometries untried, not whole groups.
         moves = []
-        for w in self.workloads(self.grid):
-            m, n, k = w.params["m"], w.params["n"], w.params["k"]
-            current = impl.tile(m, n, k) or L.select_config(m, n, k, torch.bfloat16)
-            for cfg in L.geometry_variants(torch.bfloat16):
+        for cfg in L.geometry_variants(torch.bfloat16):
+            for w in self.workloads(self.grid):
+                m, n, k = w.params["m"], w.params["n"], w.params["k"]
+                current = impl.tile(m, n, k) or L.select_config(m, n, k, torch.bfloat16)
                 if cfg == current or not self._plausible(cfg, m):
                     continue
                 move = {group_key(m, n, k): dataclasses.asdict(cfg)}

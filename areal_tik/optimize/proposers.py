@@ -79,7 +79,9 @@ class Mechanical:
             if str(self.op.apply(incumbent.config, delta)) in tried:
                 continue
             out.append(propose(self.run, self.op, delta=delta, parent=incumbent.id,
-                               proposer="mechanical", note=f"generation {gen}: move {delta}"))
+                               proposer="mechanical", note=f"generation {gen}: move {delta}",
+                               check_duplicates=False))
+            tried.add(str(self.op.apply(incumbent.config, delta)))
         return out
 
     def _impls(self, incumbent, cand) -> dict:
@@ -89,15 +91,19 @@ class Mechanical:
         return impls
 
     def _halve(self, cands, incumbent) -> list:
+        # Rung r may run until start + budget x (r + 1) / (rungs + 1): the last share of the
+        # budget is kept for the final audits, and a rung cut short keeps what it timed.
         order = list(self.ev.workloads)
         self.rng.shuffle(order)
         alive = [(c, 0.0) for c in cands]
+        start, span = time.time(), self.left() / (self.cfg.rungs + 1)
         for r in range(self.cfg.rungs):
             share = order[:math.ceil(len(order) * 2 ** (r - self.cfg.rungs + 1))]
             scored = []
             for cand, _ in alive:
-                if self.left() <= 0:
-                    break
+                if time.time() > start + span * (r + 1):
+                    self._note(cand.id, f"not timed at rung {r} (budget)", "eliminated")
+                    continue
                 score = self._screen(cand, incumbent, share, r)
                 if score is not None:
                     scored.append((cand, score))
@@ -163,9 +169,10 @@ class Mechanical:
             except RunError:
                 pass  # this merge was tried before
         audits = []
-        for cand in finalists[:self.cfg.finalists]:
-            if self.left() <= 0:
-                break
+        for i, cand in enumerate(finalists):
+            if i >= self.cfg.finalists or (i > 0 and self.left() <= 0):
+                self._note(cand.id, "survived halving; not audited (finalist limit or budget)", "survivor")
+                continue
             audit = self.ev.audit(cand.id)
             self.log(f"  audit {audit.id} of {cand.id} {cand.delta}: passed={audit.passed} "
                      f"promotable={audit.promotable} {audit.reasons[:2]}")

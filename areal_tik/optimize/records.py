@@ -126,7 +126,7 @@ class Lineage(Record):
     parent: str | None
     depth: int
     ancestors: list
-    status: str = "proposed"  # proposed | eliminated | failed | passed | promoted | archived
+    status: str = "proposed"  # proposed|eliminated|survivor|failed|passed|promoted|archived
     audits: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)  # e.g. successive-halving scores
 
@@ -286,7 +286,7 @@ class RunDir:
         """Append one numbered event (never rewritten)."""
         with self.locked():
             log = self.path / "events.jsonl"
-            seq = sum(1 for _ in open(log)) if log.exists() else 0
+            seq = log.read_bytes().count(b"\n") if log.exists() else 0
             with open(log, "a") as f:
                 f.write(json.dumps({"seq": seq, "time": now(), "kind": event_kind, **data}) + "\n")
                 f.flush()
