@@ -46,11 +46,11 @@ def build_prompt(run: RunDir, op, seed: int = 0) -> str:
     s = summarize(run)
     kernel = inspect.getmodule(op.kernel_modules[0])
     rows = {r["name"]: r for r in s["workloads"]}
-    table = ["| workload | params | c_w | root us | best us |", "|---|---|---|---|---|"]
+    table = ["| workload | params | c_w | root us | best audited us |", "|---|---|---|---|---|"]
     for w in run.config.workloads:
         r = rows.get(w["name"], {})
         table.append(f"| {w['name']} | {json.dumps(w['params'])} | {w['coefficient']:.4g} | "
-                     f"{r.get('root_us', float('nan')):.1f} | {r.get('best_us', float('nan')):.1f} |")
+                     f"{r.get('root_us', float('nan')):.1f} | {r.get('candidate_us', float('nan')):.1f} |")
     variants = [_variant_text(run, a) for a in sample_variants(run, seed)] or ["- none audited yet"]
     opportunities = [f"- {o['note']} (workloads: {o.get('workloads') or 'all'})"
                      for o in s["opportunities"]] or ["- none recorded"]

@@ -91,18 +91,23 @@ class Mechanical:
         return impls
 
     def _halve(self, cands, incumbent) -> list:
-        # Rung r may run until start + budget x (r + 1) / (rungs + 1): the last share of the
-        # budget is kept for the final audits, and a rung cut short keeps what it timed.
+        # Rung 0 (many candidates, each compiled once) may use half of the time left, the
+        # later rungs another quarter; the last quarter is kept for the final audits. A rung
+        # cut short keeps what it timed.
         order = list(self.ev.workloads)
         self.rng.shuffle(order)
         alive = [(c, 0.0) for c in cands]
-        start, span = time.time(), self.left() / (self.cfg.rungs + 1)
-        for r in range(self.cfg.rungs):
-            share = order[:math.ceil(len(order) * 2 ** (r - self.cfg.rungs + 1))]
+        start, span, rungs = time.time(), self.left(), self.cfg.rungs
+        for r in range(rungs):
+            share = order[:math.ceil(len(order) * 2 ** (r - rungs + 1))]
+            until = start + span * (0.5 + (0.25 * r / (rungs - 1) if rungs > 1 else 0.0))
             scored = []
-            for cand, _ in alive:
-                if time.time() > start + span * (r + 1):
-                    self._note(cand.id, f"not timed at rung {r} (budget)", "eliminated")
+            for cand, previous in alive:
+                if time.time() > until:
+                    if r == 0:
+                        self._note(cand.id, "not timed (budget)", "eliminated")
+                    else:  # keep its score from the rung before
+                        scored.append((cand, previous))
                     continue
                 score = self._screen(cand, incumbent, share, r)
                 if score is not None:
