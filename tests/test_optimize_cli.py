@@ -72,6 +72,7 @@ def test_mechanical_proposer_end_to_end_writes_a_consistent_run(tmp_path):
     text = prompt.build_prompt(run, ev.op, seed=1)
     assert "Row-invariant bits" in text or "row-invariant bits" in text
     assert "| tiny.b.m40 |" in text and "## Earlier variants" in text
+    assert "forward(x2d [M, K] bf16, weight [N, K] bf16, bias None)" in text
     shown = [a for a in prompt.sample_variants(run, seed=1)]
     speeds = [a.t_incumbent / a.t_candidate for a in shown]
     buckets = [next(b[2] for b in prompt.BUCKETS if b[0] <= s < b[1]) for s in speeds]

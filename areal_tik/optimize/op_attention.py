@@ -62,6 +62,10 @@ class AttentionImpl:
 class AttentionOp(Op):
     name = "attention"
     entry_points = ("prefill", "decode")
+    signatures = ("prefill(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], cu_seqlens [S + 1] int32, max_seqlen: int, "
+                  "store_lse: bool = False) -> (out [T, Hq, D], lse [Hq, T] fp32 log2-domain or None)",
+                  "decode(q [B, Hq, D], k_cache [blocks, block_size, Hk, D], v_cache, block_tables [B, W] "
+                  "int32, context_lens [B] int32) -> out [B, Hq, D]")
     kernel_files = ("_attention_fwd.py", "attention.py", "_rounding.py", "_common.py")
 
     def __init__(self, grid: str = "h200"):

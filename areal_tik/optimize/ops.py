@@ -47,6 +47,7 @@ class Op:
 
     name = ""
     entry_points: tuple = ()
+    signatures: tuple = ()  # the entry points' signatures, for the prompt
     kernel_files: tuple = ()  # sources of the root, relative to areal_tik/unified_kernels
 
     @property

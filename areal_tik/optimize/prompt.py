@@ -66,8 +66,9 @@ def build_prompt(run: RunDir, op, seed: int = 0) -> str:
         "", "## Recorded opportunities", *opportunities,
         "", "## Answer with one of",
         "- a JSON config delta on the incumbent, e.g. {\"stages_decode\": 4}",
-        f"- a Python module defining {list(op.entry_points)} with the incumbent's signatures "
-        "(it may define its own Triton kernels named *_kernel); it is audited as is.",
+        f"- a Python module defining {list(op.entry_points)} (it may define its own Triton kernels, "
+        "named *_kernel, launched on the current stream); it is audited as is:",
+        *[f"    {sig}" for sig in op.signatures],
     ])
 
 

@@ -19,7 +19,7 @@ import math
 import random
 import time
 
-from .evaluator import Evaluator, promote, propose
+from .evaluator import Evaluator, deadline, promote, propose
 from .records import RunDir, RunError
 
 
@@ -122,8 +122,9 @@ class Mechanical:
             ws = [w for w in self.ev.workloads if self.op.affects(cand.delta, w)][:max(1, len(share))]
         start = time.time()
         try:
-            impls = self._impls(incumbent, cand)
-            times, failures = self.ev.time(impls, ws, seed=self.ev._seed() + 101 * rung, rounds=rung + 1)
+            with deadline(self.ev.timeout_s):
+                impls = self._impls(incumbent, cand)
+                times, failures = self.ev.time(impls, ws, seed=self.ev._seed() + 101 * rung, rounds=rung + 1)
         except Exception as e:
             times, failures = {}, [f"build: {type(e).__name__}: {str(e)[:400]}"]
         if failures:  # changed bits or crashed: a failed audit with its reason

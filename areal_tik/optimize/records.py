@@ -159,10 +159,10 @@ _LOCAL = threading.local()
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # No fsync: os.replace already makes the new content appear whole or not at all for
+    # every reader; a search writes thousands of small records.
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -289,8 +289,6 @@ class RunDir:
             seq = log.read_bytes().count(b"\n") if log.exists() else 0
             with open(log, "a") as f:
                 f.write(json.dumps({"seq": seq, "time": now(), "kind": event_kind, **data}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
 
     def events(self) -> list[dict]:
         log = self.path / "events.jsonl"
