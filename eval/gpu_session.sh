@@ -4,6 +4,8 @@
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn check bench_rollout
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train
+#           optimize (mechanical search, attention then linear, one call) optimize_attention
+#           optimize_linear (one op per call, longer budgets); run dirs: $OUT/optimize_runs*.tgz
 # Each device call runs at most 10 minutes: pass the stages that fit.
 # AReaL's runtime dependencies are not on the GPU image: `bash scripts/gpu_wheels.sh`
 # builds parts of a tarball of their wheels (requirements/gpu-carry.txt; cp312 manylinux;
@@ -59,6 +61,11 @@ for s in $STAGES; do case $s in
   # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
   # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
   bench_train) run bench_train 420 python3 eval/bench_train.py --out "$W/csv" ;;
+  optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=260 linear=140 ;;
+  optimize_attention) run optimize_attention 570 python3 eval/optimize_gpu.py --out "$OUT/attention" \
+                        --ops attention --budget-s attention=420 ;;
+  optimize_linear) run optimize_linear 570 python3 eval/optimize_gpu.py --out "$OUT/linear" \
+                     --ops linear --budget-s linear=420 ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

@@ -1,0 +1,180 @@
+"""The linear op for the search: workloads, inputs, contract checks, knobs.
+
+Config: {group key: TileConfig fields}, where a group is one weight shape in one row
+bucket of ``linear._GPU_BUCKETS`` (key "b<max_rows>:<N>x<K>", "binf" for the last
+bucket); groups without an entry use the kernel's own ``select_config``. The root config
+is {} (the kernel's table as it stands). A knob move sets one group to another geometry
+from ``linear.geometry_variants`` (same BLOCK_K); the contract checks, not the variant
+list, decide whether its bits are the root's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+
+from .checks import expect_bits
+from .ops import Op, Workload
+
+L = importlib.import_module("areal_tik.unified_kernels.linear")
+
+# (model layer, N, K): the supported models' projections (q/k/v and gate/up packed).
+H200_SHAPES = (
+    ("qwen3-0.6b.qkv", 4096, 1024), ("qwen3-0.6b.o", 1024, 2048),
+    ("qwen3-0.6b.gate_up", 6144, 1024), ("qwen3-0.6b.down", 1024, 3072),
+    ("qwen3-0.6b.lm_head", 151936, 1024),
+    ("qwen3-1.7b.gate_up", 12288, 2048), ("qwen3-1.7b.down", 2048, 6144),
+    ("llama-3.2-1b.qkv", 3072, 2048),
+)
+H200_TOKENS = (1, 16, 64, 1024, 4096)
+TINY_SHAPES = (("tiny.a", 24, 32), ("tiny.b", 40, 48))
+TINY_TOKENS = (1, 5, 40)
+_FIELDS = {f.name: f.type for f in dataclasses.fields(L.TileConfig)}
+
+
+def _bucket(rows: int) -> str:
+    for max_rows, _ in L.buckets(torch.bfloat16):
+        if max_rows is None or rows <= max_rows:
+            return f"b{max_rows if max_rows is not None else 'inf'}"
+    raise AssertionError("bucket table ends with None")
+
+
+def group_key(rows: int, n: int, k: int) -> str:
+    return f"{_bucket(rows)}:{n}x{k}"
+
+
+class LinearImpl:
+    """The linear kernels with a per-group config (absent groups: the kernel's table)."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.tiles = {key: L.TileConfig(**fields) for key, fields in config.items()}
+        self.modules = (L,)
+
+    def tile(self, rows: int, n: int, k: int):
+        return self.tiles.get(group_key(rows, n, k))
+
+    def forward(self, x2d, weight, bias):
+        return L.linear_forward(x2d, weight, bias, config=self.tile(x2d.shape[0], *weight.shape))
+
+
+class LinearOp(Op):
+    name = "linear"
+    entry_points = ("forward",)
+    signatures = ("forward(x2d [M, K] bf16, weight [N, K] bf16, bias None) -> out [M, N] bf16",)
+    kernel_files = ("linear.py", "_common.py")
+
+    def __init__(self, grid: str = "h200"):
+        if grid not in ("h200", "tiny"):
+            raise ValueError(f"linear grid must be 'h200' or 'tiny', got {grid!r}")
+        self.grid = grid
+
+    @property
+    def kernel_modules(self):
+        return (L,)
+
+    def root_config(self) -> dict:
+        return {}
+
+    def normalise(self, config: dict) -> dict:
+        if not isinstance(config, dict):
+            raise TypeError(f"linear config must be a dict of group -> tile fields, got {config!r}")
+        out = {}
+        for key, fields in config.items():
+            if not (isinstance(key, str) and key.startswith("b") and ":" in key):
+                raise ValueError(f"linear config keys are 'b<max_rows>:<N>x<K>', got {key!r}")
+            unknown = set(fields) - set(_FIELDS)
+            if unknown:
+                raise ValueError(f"unknown TileConfig fields {sorted(unknown)} for {key!r}; "
+                                 f"accepted: {sorted(_FIELDS)}")
+            out[key] = dataclasses.asdict(L.TileConfig(**fields))
+        return dict(sorted(out.items()))
+
+    def config_impl(self, config: dict):
+        return LinearImpl(self.normalise(config))
+
+    def workloads(self, grid: str) -> list[Workload]:
+        shapes, tokens = (H200_SHAPES, H200_TOKENS) if grid == "h200" else (TINY_SHAPES, TINY_TOKENS)
+        return [Workload(f"{name}.m{m}", "linear", {"m": m, "n": n, "k": k})
+                for name, n, k in shapes for m in tokens]
+
+    def make_inputs(self, w, seed, device) -> dict:
+        p = w.params
+        inputs = {"x": torch.empty(p["m"], p["k"], dtype=torch.bfloat16, device=device),
+                  "weight": torch.empty(p["n"], p["k"], dtype=torch.bfloat16, device=device)}
+        self.refill(w, inputs, seed)
+        return inputs
+
+    def refill(self, w, inputs, seed, scale=1.0) -> None:
+        gen = torch.Generator(inputs["x"].device).manual_seed(seed)
+        inputs["x"].normal_(0.0, scale, generator=gen)
+        inputs["weight"].normal_(0.0, scale * w.params["k"] ** -0.5, generator=gen)
+
+    def call(self, impl, w, inputs) -> tuple:
+        return (impl.forward(inputs["x"], inputs["weight"], None),)
+
+    def check_workloads(self, device) -> list[Workload]:
+        n, k = (1024, 2048) if device.type == "cuda" else (24, 32)
+        return [Workload("check.linear", "linear", {"m": 37 if device.type == "cuda" else 7, "n": n, "k": k})]
+
+    def contract(self, device) -> list:
+        return [("root_bits", lambda impl, root: self._root_bits(impl, root, device)),
+                ("row_invariance", lambda impl, root: self._row_invariance(impl, device))]
+
+    def _root_bits(self, impl, root, device) -> None:
+        for i, w in enumerate(self.workloads(self.grid)):
+            inputs = self.make_inputs(w, 1000 + i, device)
+            expect_bits(f"root_bits: {w.name}", self.call(impl, w, inputs), self.call(root, w, inputs))
+
+    def _row_invariance(self, impl, device) -> None:
+        # Row r's bits depend on row r only: a prefix of m rows (any bucket) must give the
+        # first m rows of the largest call, bit for bit.
+        tokens = sorted({m for w in self.workloads(self.grid) for m in (w.params["m"], w.params["m"] + 1)})
+        for name, n, k in sorted({(w.name.rsplit(".m", 1)[0], w.params["n"], w.params["k"])
+                                  for w in self.workloads(self.grid)}):
+            big = Workload(name, "linear", {"m": tokens[-1], "n": n, "k": k})
+            inputs = self.make_inputs(big, 77, device)
+            full = impl.forward(inputs["x"], inputs["weight"], None)
+            for m in tokens[:-1]:
+                expect_bits(f"row_invariance: {name} first {m} of {tokens[-1]} rows",
+                            impl.forward(inputs["x"][:m], inputs["weight"], None), full[:m])
+
+    def expected_launches(self, config, w, inputs) -> list:
+        impl = LinearImpl(config)
+        x, weight = inputs["x"], inputs["weight"]
+        tma = L.tma_compatible(x, weight)
+        cfg = impl.tile(*x.shape[:1], *weight.shape)
+        if cfg is None:
+            sms = L._device_info(x.device.index or 0)[1] if x.is_cuda else L._REFERENCE_SMS
+            cfg = L.select_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, tma=tma, sms=sms)
+        kernel = "_linear_fwd_persistent_kernel" if cfg.persistent and tma else "_linear_fwd_kernel"
+        return [(kernel, {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                          "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})]
+
+    def moves(self, config: dict) -> list[dict]:
+        impl = LinearImpl(config)
+        # Variant-major order: one geometry (one compile) across all groups before the
+        # next, so a budget cut leaves whole geometries untried, not whole groups.
+        moves = []
+        for cfg in L.geometry_variants(torch.bfloat16):
+            for w in self.workloads(self.grid):
+                m, n, k = w.params["m"], w.params["n"], w.params["k"]
+                current = impl.tile(m, n, k) or L.select_config(m, n, k, torch.bfloat16)
+                if cfg == current or not self._plausible(cfg, m):
+                    continue
+                move = {group_key(m, n, k): dataclasses.asdict(cfg)}
+                if move not in moves:
+                    moves.append(move)
+        return moves
+
+    @staticmethod
+    def _plausible(cfg, rows: int) -> bool:
+        # As eval/bench_linear.py --sweep: tall tiles and the persistent kernel only pay
+        # from 512 rows; decode-sized tiles (BLOCK_M 64, narrow) not above 1024.
+        if rows < 512 and (cfg.block_m > 64 or cfg.persistent):
+            return False
+        return not (rows > 1024 and cfg.block_m == 64 and cfg.block_n < 128)
+
+    def affects(self, delta, w) -> bool:
+        return group_key(w.params["m"], w.params["n"], w.params["k"]) in delta

@@ -1,0 +1,192 @@
+"""The mechanical proposer: one-knob moves from the incumbent, successive halving, audits.
+
+A generation: every move of ``op.moves(incumbent)`` not tried before becomes a candidate.
+Successive halving then spends little time on many candidates and more on few: rung r
+times the survivors (paired with the incumbent and root, bits compared with the root's
+on every workload) on a growing share of the workloads (1/4, 1/2, all for three rungs)
+with r + 1 rounds, and within each group of competing moves (moves of the same knob, or
+of the same linear row bucket and shape) keeps the better half of those faster than the
+incumbent. A move whose bits differ is a failed audit at once. The survivors' best move
+per group are merged into one candidate when they touch different knobs; the merged
+candidate and the best survivors get full audits (gate + paired timing on all
+workloads) and the fastest promotable one is promoted. Generations repeat from the new
+incumbent until no promotion, the generation count or the time budget ends it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+
+from .evaluator import Evaluator, deadline, promote, propose
+from .records import RunDir, RunError
+
+
+@dataclasses.dataclass
+class SearchConfig:
+    budget_s: float = 300.0  # wall-clock budget of the whole search
+    generations: int = 3
+    rungs: int = 3
+    finalists: int = 3  # full audits per generation (the merged candidate first)
+    max_candidates: int = 512
+
+    def __post_init__(self):
+        for name in ("budget_s", "generations", "rungs", "finalists", "max_candidates"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _key(delta: dict) -> tuple:
+    return tuple(sorted(delta))
+
+
+def _weighted(workloads, times, name) -> float:
+    return sum(w.coefficient * times[w.name][name] for w in workloads)
+
+
+class Mechanical:
+    def __init__(self, run: RunDir, evaluator: Evaluator, cfg: SearchConfig, log=print):
+        self.run, self.ev, self.cfg, self.log = run, evaluator, cfg, log
+        self.op = evaluator.op
+        self.end = time.time() + cfg.budget_s
+        self.rng = random.Random(run.config.seed)
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+    def search(self) -> None:
+        for gen in range(self.cfg.generations):
+            if self.left() <= 0:
+                break
+            incumbent = self.run.get("candidates", self.run.state().best)
+            cands = self._propose(incumbent, gen)
+            self.log(f"generation {gen}: incumbent {incumbent.id}, {len(cands)} new candidates")
+            if not cands:
+                break
+            survivors = self._halve(cands, incumbent)
+            if not self._finish(survivors, incumbent, gen):
+                break
+
+    def _propose(self, incumbent, gen) -> list:
+        tried = {str(c.config) for c in self.run.all("candidates") if c.kind != "source"}
+        out = []
+        for delta in self.op.moves(incumbent.config):
+            used = self.run.state().budget["candidates_used"]
+            if used >= self.cfg.max_candidates:
+                break
+            if str(self.op.apply(incumbent.config, delta)) in tried:
+                continue
+            out.append(propose(self.run, self.op, delta=delta, parent=incumbent.id,
+                               proposer="mechanical", note=f"generation {gen}: move {delta}",
+                               check_duplicates=False))
+            tried.add(str(self.op.apply(incumbent.config, delta)))
+        return out
+
+    def _impls(self, incumbent, cand) -> dict:
+        impls = {"root": self.ev.root, "candidate": self.ev.impl(cand)}
+        if incumbent.id != "root":
+            impls["incumbent"] = self.ev.impl(incumbent)
+        return impls
+
+    def _halve(self, cands, incumbent) -> list:
+        # Rung 0 (many candidates, each compiled once) may use half of the time left, the
+        # later rungs another quarter; the last quarter is kept for the final audits. A rung
+        # cut short keeps what it timed.
+        order = list(self.ev.workloads)
+        self.rng.shuffle(order)
+        alive = [(c, 0.0) for c in cands]
+        start, span, rungs = time.time(), self.left(), self.cfg.rungs
+        for r in range(rungs):
+            share = order[:math.ceil(len(order) * 2 ** (r - rungs + 1))]
+            until = start + span * (0.5 + (0.25 * r / (rungs - 1) if rungs > 1 else 0.0))
+            scored = []
+            for cand, previous in alive:
+                if time.time() > until:
+                    if r == 0:
+                        self._note(cand.id, "not timed (budget)", "eliminated")
+                    else:  # keep its score from the rung before
+                        scored.append((cand, previous))
+                    continue
+                score = self._screen(cand, incumbent, share, r)
+                if score is not None:
+                    scored.append((cand, score))
+            alive = self._keep(scored, r)
+            self.log(f"  rung {r}: {len(share)} workloads, {len(scored)} timed, {len(alive)} kept")
+        return alive
+
+    def _screen(self, cand, incumbent, share, rung):
+        ws = [w for w in share if self.op.affects(cand.delta, w)]
+        if not ws:
+            ws = [w for w in self.ev.workloads if self.op.affects(cand.delta, w)][:max(1, len(share))]
+        start = time.time()
+        try:
+            with deadline(self.ev.timeout_s):
+                impls = self._impls(incumbent, cand)
+                times, failures = self.ev.time(impls, ws, seed=self.ev._seed() + 101 * rung, rounds=rung + 1)
+        except Exception as e:
+            times, failures = {}, [f"build: {type(e).__name__}: {str(e)[:400]}"]
+        if failures:  # changed bits or crashed: a failed audit with its reason
+            self.ev._record(cand, incumbent.id, False, False, failures,
+                            {f"screen[rung {rung}]": failures[0]}, [], (0.0, 0.0, 0.0),
+                            time.time() - start)
+            return None
+        ref = "incumbent" if "incumbent" in impls else "root"
+        score = _weighted(ws, times, "candidate") / _weighted(ws, times, ref)
+        self._note(cand.id, f"rung {rung}: T ratio {score:.4f} vs {incumbent.id} on {len(ws)} workloads")
+        return score
+
+    def _note(self, cand_id, note, status=None) -> None:
+        with self.run.locked():
+            lineage = self.run.get("lineage", cand_id)
+            lineage.notes.append(note)
+            lineage.status = status or lineage.status
+            self.run.put(lineage)
+
+    def _keep(self, scored, rung) -> list:
+        groups: dict = {}
+        for cand, score in scored:
+            groups.setdefault(_key(cand.delta), []).append((cand, score))
+        kept = []
+        for members in groups.values():
+            members.sort(key=lambda cs: cs[1])
+            faster = [cs for cs in members if cs[1] < 1.0]
+            keep = faster[:max(1, math.ceil(len(members) / 2))]
+            kept += keep
+            for cand, score in members:
+                if (cand, score) not in keep:
+                    self._note(cand.id, f"eliminated at rung {rung} (T ratio {score:.4f})", "eliminated")
+        return kept
+
+    def _finish(self, survivors, incumbent, gen) -> bool:
+        """Audit the merged best moves and the best survivors; promote the fastest promotable."""
+        best_per_key: dict = {}
+        for cand, score in sorted(survivors, key=lambda cs: cs[1]):
+            best_per_key.setdefault(_key(cand.delta), cand)
+        finalists = [c for c, _ in sorted(survivors, key=lambda cs: cs[1])]
+        if len(best_per_key) > 1 and len({k for key in best_per_key for k in key}) == sum(
+                len(key) for key in best_per_key):
+            delta = {k: v for c in best_per_key.values() for k, v in c.delta.items()}
+            try:
+                merged = propose(self.run, self.op, delta=delta, parent=incumbent.id, proposer="mechanical",
+                                 note=f"generation {gen}: merge of {[c.id for c in best_per_key.values()]}")
+                finalists.insert(0, merged)
+            except RunError:
+                pass  # this merge was tried before
+        audits = []
+        for i, cand in enumerate(finalists):
+            if i >= self.cfg.finalists or (i > 0 and self.left() <= 0):
+                self._note(cand.id, "survived halving; not audited (finalist limit or budget)", "survivor")
+                continue
+            audit = self.ev.audit(cand.id)
+            self.log(f"  audit {audit.id} of {cand.id} {cand.delta}: passed={audit.passed} "
+                     f"promotable={audit.promotable} {audit.reasons[:2]}")
+            if audit.promotable:
+                audits.append(audit)
+        if not audits:
+            return False
+        best = min(audits, key=lambda a: a.t_candidate)
+        result = promote(self.run, best.id)
+        self.log(f"  promoted {best.candidate}: T(root)/T = {result.speedup:.4f}")
+        return True

@@ -1,0 +1,100 @@
+"""The optimize commands end to end on CPU (tiny grids, interpreter): init -> propose ->
+audit -> promote -> status -> prompt, the mechanical proposer producing a run directory,
+and the attention contract deciding which knobs are free."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from areal_tik.optimize import cli, evaluator, prompt
+from areal_tik.optimize.records import RunDir
+
+
+def _main(*argv) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.main(parser.parse_args(list(argv)))
+
+
+def test_commands_drive_a_run_and_refuse_a_second_init(tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    assert _main("init", "--run", run_dir, "--op", "linear", "--grid", "tiny", "--device", "cpu",
+                 "--coefficients", "uniform") == 0
+    assert _main("init", "--run", run_dir, "--op", "linear", "--grid", "tiny", "--device", "cpu") == 2
+    assert "already holds an optimisation run" in capsys.readouterr().err
+    delta = {"b4:24x32": {"block_m": 16, "block_n": 32, "block_k": 16}}
+    assert _main("propose", "--run", run_dir, "--delta", json.dumps(delta), "--proposer", "agent",
+                 "--tokens", "321", "--note", "wider tile at decode") == 0
+    cand = capsys.readouterr().out.strip()
+    assert _main("propose", "--run", run_dir, "--delta", json.dumps(delta)) == 2  # tried already
+    assert f"is candidate {cand}" in capsys.readouterr().err
+    assert _main("audit", "--run", run_dir, cand, "--rounds", "1") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["passed"], result
+    code = _main("promote", "--run", run_dir, result["audit"])
+    run = RunDir(run_dir)
+    assert (code == 0) == result["promotable"]
+    assert run.state().best == (cand if result["promotable"] else "root")
+    assert _main("propose", "--run", run_dir, "--opportunity", "m=1 streams the weight twice",
+                 "--workloads", "tiny.a.m1") == 0
+    capsys.readouterr()
+    assert _main("status", "--run", run_dir, "--json") == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["candidates"] == 1 and status["passing"] == 1 and status["budget"]["tokens_used"] == 321
+    assert status["opportunities"][0]["workloads"] == ["tiny.a.m1"]
+    assert [e["kind"] for e in run.events()][:3] == ["init", "propose", "audit"]
+    assert run.get("actions", "x0002").proposer == "agent"  # one action per proposal
+
+
+def test_mechanical_proposer_end_to_end_writes_a_consistent_run(tmp_path):
+    from areal_tik.optimize.proposers import Mechanical, SearchConfig
+
+    run = evaluator.init_run(tmp_path / "run", "linear", "tiny", coefficients="uniform", cap=1.5)
+    ev = evaluator.Evaluator(run, rounds=1)
+    Mechanical(run, ev, SearchConfig(budget_s=120, generations=1, rungs=2, finalists=2),
+               log=lambda *a: None).search()
+    state, cands = run.state(), run.all("candidates")
+    moves = evaluator.make_op("linear", "tiny").moves({})
+    assert len(cands) >= 1 + len(moves)  # root, every move (and possibly a merge)
+    for cand in cands:
+        lineage = run.get("lineage", cand.id)
+        assert lineage.parent == cand.parent and state.graph[cand.id] == cand.parent
+        assert lineage.status in ("eliminated", "survivor", "failed", "passed", "promoted", "archived")
+    audits = run.all("audits")
+    assert audits and all(a.evaluator_hash == run.config.evaluator_hash for a in audits)
+    promotes = [e for e in run.events() if e["kind"] == "promote"]
+    if state.best != "root":  # a promotion is recorded with the audit that allowed it
+        best = run.best()
+        assert run.get("audits", best.audit).promotable and best.speedup > 1.0 and promotes
+    else:
+        assert not promotes and not any(a.promotable for a in audits)
+    text = prompt.build_prompt(run, ev.op, seed=1)
+    assert "Row-invariant bits" in text or "row-invariant bits" in text
+    assert "| tiny.b.m40 |" in text and "## Earlier variants" in text
+    assert "forward(x2d [M, K] bf16, weight [N, K] bf16, bias None)" in text
+    shown = [a for a in prompt.sample_variants(run, seed=1)]
+    speeds = [a.t_incumbent / a.t_candidate for a in shown]
+    buckets = [next(b[2] for b in prompt.BUCKETS if b[0] <= s < b[1]) for s in speeds]
+    assert len(set(buckets)) == len(buckets)  # from distinct performance buckets
+
+
+def test_attention_contract_passes_a_scheduling_knob_and_refuses_a_numerics_knob():
+    op = evaluator.make_op("attention", "tiny")
+    root = op.config_impl(op.root_config())
+    free = op.config_impl({**op.root_config(), "stages_decode": 2, "prefill_subtiles": 1})
+    for name, check in op.contract(torch.device("cpu")):
+        check(free, root)  # raises CheckFailed on any differing bit
+    tile = op.config_impl({**op.root_config(), "block_n": 8})
+    with pytest.raises(AssertionError, match="differ in bits"):
+        dict(op.contract(torch.device("cpu")))["root_bits"](tile, root)
+
+
+def test_the_attention_grid_is_the_48_workloads():
+    ws = evaluator.make_op("attention", "h200").workloads("h200")
+    assert len(ws) == 48 and len({w.name for w in ws}) == 48
+    kinds = {k: [w for w in ws if w.kind == k] for k in ("prefill", "train", "decode")}
+    assert all(len(v) == 16 for v in kinds.values())
+    assert {(w.params["batch"], w.params["seqlen"]) for w in kinds["train"]} == {
+        (b, n + 128) for b in (1, 4, 8, 16) for n in (1024, 4096, 8192, 16384)}
+    assert {w.params["context"] for w in kinds["decode"]} == {128, 1024, 4096, 8192}
