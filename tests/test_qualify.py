@@ -8,16 +8,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import types
 
 import pytest
 import torch
 import triton
 
 import areal_tik
-
 from areal_tik import qualify
-from areal_tik.model.ops import OP_NAMES, UnifiedOps
+
+from ._planted import planted_ops
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
 
@@ -82,22 +81,6 @@ def test_the_cache_path_defaults_to_the_user_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv(qualify.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert qualify.cache_path() == tmp_path / "areal-tik" / "qualification.json"
-
-
-def planted_ops(op: str, threshold: int = 4):
-    """Unified ops where ``op`` flips the lowest bit of its output for more than ``threshold`` rows."""
-    unified = UnifiedOps()
-    ops = types.SimpleNamespace(kind="planted", **{name: getattr(unified, name) for name in OP_NAMES})
-    inner = getattr(unified, op)
-
-    def row_count_dependent(x, *args, **kwargs):
-        out = inner(x, *args, **kwargs)
-        if x.reshape(-1, x.shape[-1]).shape[0] > threshold:
-            ints = {2: torch.int16, 4: torch.int32}[out.element_size()]
-            out = (out.detach().view(ints) ^ 1).view(out.dtype)
-        return out
-    setattr(ops, op, row_count_dependent)
-    return ops
 
 
 def test_a_planted_row_count_dependent_linear_is_named():
