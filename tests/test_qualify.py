@@ -15,6 +15,7 @@ import triton
 
 import areal_tik
 from areal_tik import qualify
+from areal_tik.model.ops import UnifiedOps
 
 from ._planted import planted_ops
 
@@ -87,13 +88,23 @@ def test_a_planted_row_count_dependent_linear_is_named():
     # A decode batch (2 rows) differs from prefill and the packed forward (more than 4).
     verdict = qualify.run_probe("cpu", ops=planted_ops("linear"), probes=("linear", "model"))
     assert not verdict.passed and verdict.pin_linear
-    assert verdict.failing_ops == ["linear", "model rollout vs training"]
+    assert verdict.failing_ops == ["linear", "linear (pinned tile)", "model rollout vs training"]
     checks = {c.op: c for c in verdict.checks}
     assert "rows 4 vs 40" in checks["linear"].detail and "rows 5 vs 40" not in checks["linear"].detail
     assert checks["linear variants"].passed  # the kernel itself, outside the planted op table
     assert "first divergence" in checks["model rollout vs training"].detail
     assert "layer 0 linear" in checks["model rollout vs training"].detail
     assert "linear" in verdict.message() and "FAILED" in verdict.message()
+
+
+def test_a_tile_dependent_fault_is_repaired_by_pinning_linear():
+    ops = planted_ops("linear")
+    planted, unified = ops.linear, UnifiedOps().linear
+    ops.linear = lambda x, *args, **kwargs: (unified if L.FIXED_TILE else planted)(x, *args, **kwargs)
+    verdict = qualify.run_probe("cpu", ops=ops, probes=("linear",))
+    assert verdict.failing_ops == ["linear"] and verdict.pin_linear and not L.FIXED_TILE
+    pinned = next(c for c in verdict.checks if c.op == "linear (pinned tile)")
+    assert pinned.passed and "fixed tile" in pinned.detail
 
 
 def test_pinning_linear_to_one_tile_is_reversible_and_nests():

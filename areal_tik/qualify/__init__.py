@@ -30,10 +30,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from .probes import PROBES, ProbeSizes, as_device, linear_kernels, run_probe
+from .probes import PROBES, LinearPin, ProbeSizes, as_device, pin_linear_tile, run_probe
 from .verdict import CACHE_ENV, Check, DeviceKey, Verdict, cache_path, load_verdicts, store_verdicts
 
-__all__ = ["qualify", "run_probe", "pin_linear_tile", "Verdict", "Check", "DeviceKey", "ProbeSizes",
+__all__ = ["qualify", "run_probe", "pin_linear_tile", "LinearPin", "Verdict", "Check", "DeviceKey", "ProbeSizes",
            "PROBES", "CACHE_ENV", "cache_path"]
 
 
@@ -50,35 +50,6 @@ def qualify(device=None, *, refresh: bool = False) -> Verdict:
     verdicts[key.id] = verdict.to_json()
     store_verdicts(path, verdicts)
     return verdict
-
-
-# ----------------------------------------------------------------------------- pinning
-
-
-class LinearPin:
-    """Handle of ``pin_linear_tile``: ``revert()`` restores the previous setting."""
-
-    def __init__(self):
-        self._saved = linear_kernels.FIXED_TILE
-        linear_kernels.FIXED_TILE = True
-        self.active = True
-
-    def revert(self) -> None:
-        if self.active:
-            linear_kernels.FIXED_TILE = self._saved
-            self.active = False
-
-    def __enter__(self) -> "LinearPin":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.revert()
-
-
-def pin_linear_tile() -> LinearPin:
-    """Make linear use its one fixed tile for every shape (``select_config`` honours the
-    module's ``FIXED_TILE``); nest-safe, reverted by the handle."""
-    return LinearPin()
 
 
 def main(argv=None) -> int:

@@ -65,24 +65,38 @@ def _row_counts(max_rows: int) -> list[int]:
     return sorted(counts)
 
 
+def _row_mismatches(ops, x, w, rows) -> list[str]:
+    base = ops.linear(x, w)
+    (m_max, k), n = x.shape, w.shape[0]
+    return [f"rows {m} vs {m_max} (N={n}, K={k}, {m} rows take {linear_kernels.select_config(m, n, k, _DTYPE)})"
+            for m in rows if not _bits_equal(ops.linear(x[:m], w), base[:m])]
+
+
 def probe_linear(ops, device, sizes: ProbeSizes) -> list[Check]:
-    """Row counts through ``ops.linear``; then every table/fixed config through the kernel."""
-    rows, bad_rows, bad_cfgs = _row_counts(sizes.max_rows), [], []
+    """Row counts through ``ops.linear``; every table/fixed config through the kernel; when
+    the row counts disagree, the row counts again with linear pinned to its fixed tile."""
+    rows, bad_rows, bad_cfgs, bad_pinned = _row_counts(sizes.max_rows), [], [], []
     configs = linear_kernels.geometry_variants(_DTYPE, candidates=False)
     gen = torch.Generator(device="cpu").manual_seed(0)
+    problems = []
     for n, k in sizes.linear_shapes:
         x = torch.randn(sizes.max_rows, k, generator=gen).to(device, _DTYPE)
-        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, _DTYPE)
-        base = ops.linear(x, w)
-        bad_rows += [f"rows {m} vs {sizes.max_rows} (N={n}, K={k}, {m} rows take "
-                     f"{linear_kernels.select_config(m, n, k, _DTYPE)})" for m in rows
-                     if not _bits_equal(ops.linear(x[:m], w), base[:m])]
+        problems.append((x, (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, _DTYPE)))
+    for x, w in problems:
+        bad_rows += _row_mismatches(ops, x, w, rows)
         reference = linear_kernels.linear_forward(x, w, None)
-        bad_cfgs += [f"{cfg} (N={n}, K={k})" for cfg in configs
+        bad_cfgs += [f"{cfg} (N={w.shape[0]}, K={w.shape[1]})" for cfg in configs
                      if not _bits_equal(linear_kernels.linear_forward(x, w, None, config=cfg), reference)]
-    shapes = len(sizes.linear_shapes)
-    return [Check("linear", not bad_rows, "; ".join(bad_rows) or f"{len(rows)} row counts x {shapes} shapes"),
-            Check("linear variants", not bad_cfgs, "; ".join(bad_cfgs) or f"{len(configs)} configs x {shapes} shapes")]
+    shapes = len(problems)
+    checks = [Check("linear", not bad_rows, "; ".join(bad_rows) or f"{len(rows)} row counts x {shapes} shapes"),
+              Check("linear variants", not bad_cfgs, "; ".join(bad_cfgs) or f"{len(configs)} configs x {shapes} shapes")]
+    if bad_rows:
+        with pin_linear_tile():
+            for x, w in problems:
+                bad_pinned += _row_mismatches(ops, x, w, rows)
+        checks.append(Check("linear (pinned tile)", not bad_pinned,
+                            "; ".join(bad_pinned) or "pinning linear to its fixed tile makes every row count agree"))
+    return checks
 
 
 def _paged_setup(lengths, hk, d, block, device, gen):
@@ -233,3 +247,32 @@ def as_device(device) -> torch.device:
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be a CUDA device or cpu, got {device}")
     return device
+
+
+# ----------------------------------------------------------------------------- pinning
+
+
+class LinearPin:
+    """Handle of ``pin_linear_tile``: ``revert()`` restores the previous setting."""
+
+    def __init__(self):
+        self._saved = linear_kernels.FIXED_TILE
+        linear_kernels.FIXED_TILE = True
+        self.active = True
+
+    def revert(self) -> None:
+        if self.active:
+            linear_kernels.FIXED_TILE = self._saved
+            self.active = False
+
+    def __enter__(self) -> "LinearPin":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+
+def pin_linear_tile() -> LinearPin:
+    """Make linear use its one fixed tile for every shape (``select_config`` honours the
+    module's ``FIXED_TILE``); nest-safe, reverted by the handle."""
+    return LinearPin()
