@@ -199,3 +199,22 @@ def test_cancel_while_paused_frees_the_kv_blocks(standard):
         with pytest.raises(CancelledError):
             drop.result(timeout=0)
         wait_until(lambda: blocks.num_free_blocks == usable, "all blocks back")
+
+
+def test_callbacks_may_call_back_into_the_engine(standard):
+    llm = small_engine(standard)
+    llm.pause()
+    short = llm.submit([5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    long = llm.submit([5, 6, 8], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    called = threading.Event()
+
+    def on_done(future):  # runs in the engine thread
+        llm.pause()
+        llm.close()
+        called.set()
+    short.add_done_callback(on_done)
+    llm.resume()
+    assert called.wait(TIMEOUT_S), "a callback calling pause and close deadlocked the engine"
+    assert short.result(timeout=0).finish_reason == "length"
+    assert long.result(timeout=TIMEOUT_S).finish_reason == "abort"
+    _close_within_timeout(llm)

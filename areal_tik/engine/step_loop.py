@@ -7,6 +7,7 @@ an unexpected error) resolves every registered Future exactly once.
 Locks: ``step_lock`` is held by a step, by moving inbox items into the scheduler, by
 reaping cancelled requests and by whatever runs ``between_steps`` (weight updates);
 ``_state_lock`` orders registration against ``close`` and against the loop breaking.
+Futures are resolved with neither lock held, so their callbacks may call back in.
 The loop tests the resumed flag while holding ``step_lock``, so once ``pause`` has
 cleared the flag and taken the lock once, no further step can start.
 
@@ -57,6 +58,7 @@ class StepLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[int, tuple[Sequence, Future]] = {}  # registered, not yet resolved
         self._cancelled: set[int] = set()   # ids whose Future the caller cancelled
+        self._done: list[tuple[Future, object]] = []  # finished in this step, resolved after it
         self._thread: threading.Thread | None = None
         self.closed = False
         self.error: BaseException | None = None
@@ -126,10 +128,12 @@ class StepLoop:
             with self._state_lock:
                 requests = list(self._requests.values())
                 self._requests.clear()
-            for seq, future in requests:  # resolve first: freeing blocks may raise
+            for seq, _ in requests:
                 seq.finish("abort")
-                _resolve(future, lambda f, s=seq: f.set_result(s.to_output()))
-            if self.error is None:
+        for seq, future in requests:  # resolved first, outside the lock: freeing blocks may raise
+            _resolve(future, lambda f, s=seq: f.set_result(s.to_output()))
+        if self.error is None:
+            with self.step_lock:
                 for seq, _ in requests:
                     self.scheduler.abort(seq)
 
@@ -142,6 +146,7 @@ class StepLoop:
             while not self.closed:
                 self._iterate()
         except BaseException as exc:  # noqa: BLE001 - any error breaks the engine, none hangs it
+            self._resolve_done()  # requests that finished before the error keep their outputs
             self._break(exc)
 
     def _iterate(self) -> None:
@@ -160,6 +165,7 @@ class StepLoop:
             else:
                 self._step()
                 stepping = True
+        self._resolve_done()  # outside the lock: a callback may call pause, close or submit
         if not stepping and self.scheduler.has_work() and not self.closed:
             self._resumed.wait(timeout=_PAUSED_POLL_S)
 
@@ -221,10 +227,16 @@ class StepLoop:
                 self.scheduler.abort(entry[0])
 
     def _complete(self, seq: Sequence) -> None:
+        output = seq.to_output()  # before unregistering: if this raises, _break fails the request
         with self._state_lock:
             entry = self._requests.pop(seq.seq_id, None)
         if entry is not None:
-            _resolve(entry[1], lambda f: f.set_result(seq.to_output()))
+            self._done.append((entry[1], output))
+
+    def _resolve_done(self) -> None:
+        done, self._done = self._done, []
+        for future, output in done:
+            _resolve(future, lambda f, o=output: f.set_result(o))
 
 
 def _resolve(future: Future, how) -> None:
