@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
-#   stages: env tests bench_ops sweep_linear bench_attn probe_attn check bench_rollout
+#   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
@@ -41,6 +41,10 @@ for s in $STAGES; do case $s in
   sweep_linear) run sweep_linear 240 python3 eval/bench_linear.py --sweep --out "$W/csv" ;;
   bench_attn) run bench_attention 120 python3 eval/bench_attention.py --out "$W/csv" ;;
   probe_attn) run probe_attention 160 python3 eval/probe_attention.py ;;
+  qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
+           run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json
+             for pass in cold warm; do echo "-- $pass"; python3 -m areal_tik.qualify --refresh || exit $?; done
+             echo "-- cached"; python3 -m areal_tik.qualify' "$W" ;;
   check) for m in qwen3-0.6b qwen3-1.7b llama-3.2-1b; do
            run "check_$m" 150 python3 -m areal_tik.cli check --model "$m" --num-prompts 64 --max-new-tokens 256 --no-progress
          done ;;

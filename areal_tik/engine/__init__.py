@@ -12,5 +12,7 @@ forward's log-prob bit for bit (``kernels="unified"``).
 from .config import EngineConfig, SamplingParams
 from .llm_engine import LLM
 from .sequence import GenerationOutput
+from .step_loop import EngineBrokenError, EngineClosedError
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "GenerationOutput"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "GenerationOutput", "EngineBrokenError",
+           "EngineClosedError"]

@@ -1,24 +1,24 @@
-"""The LLM class: requests in, generated tokens with log-probs and weight versions out.
+"""The LLM class: the engine's front door (requests in, generated tokens with log-probs
+and weight versions out).
 
-One engine-loop thread owns the scheduler and the model runner. ``submit`` validates a
-request, queues it and returns a ``concurrent.futures.Future``; ``generate`` submits a
-list and waits; ``agenerate`` awaits one request from asyncio. Requests submitted while
-others decode join the running batch at the next step. A lock held for each step also
-serialises ``update_weights``, so weights change only between steps; every token records
-the version of the weights it was sampled with.
+``submit`` validates a request, hands it to the step loop (``step_loop.StepLoop``, one
+thread that owns the scheduler and the model runner) and returns a
+``concurrent.futures.Future``; ``generate`` submits a list and waits; ``agenerate`` awaits
+one request from asyncio; cancelling a Future aborts its request. Requests submitted
+while others decode join the running batch at the next step. Weight updates run between
+steps, so every token records the version of the weights it was sampled with. After an
+unexpected error in the step loop every pending request fails with it and later calls
+raise ``EngineBrokenError`` naming it.
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
 import itertools
-import logging
-import queue
 import random
 import threading
-import time
 import weakref
-from concurrent.futures import Future, InvalidStateError, as_completed
+from concurrent.futures import Future, as_completed
 
 import torch
 
@@ -27,9 +27,8 @@ from .model_runner import ModelRunner
 from .progress import Progress
 from .scheduler import Scheduler
 from .sequence import GenerationOutput, Sequence
+from .step_loop import StepLoop
 from .weight_update import apply_update, as_state_dict, missing_names, plan_update
-
-logger = logging.getLogger(__name__)
 
 _LIVE: "weakref.WeakSet[LLM]" = weakref.WeakSet()
 
@@ -70,47 +69,55 @@ class LLM:
         eos = model_eos_token_ids(model) if eos_token_ids is None else tuple(eos_token_ids)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(config, self.runner.block_manager, eos)
-        self._version = 0
-        self._step_lock = threading.Lock()      # held by a step, a weight update, a pause
+        self.loop = StepLoop(self.scheduler, self.runner)
         self._submit_lock = threading.Lock()    # request ids and sampling keys
-        self._resumed = threading.Event()
-        self._resumed.set()
-        self._inbox: queue.Queue = queue.Queue()
-        self._futures: dict[int, Future] = {}
-        self._cancelled: set[int] = set()       # ids whose Future the caller cancelled
         self._seq_ids = itertools.count()
         self._keys = random.Random(config.seed)
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self.num_steps = 0
-        # Host seconds per phase of all steps, to attribute per-step overhead: "schedule"
-        # (reaping + scheduling), "launch" (inputs + forward + sampling enqueued), "wait"
-        # (until the sampled tokens are on the host), "postprocess" (bookkeeping + futures).
-        self.step_seconds = dict.fromkeys(("schedule", "launch", "wait", "postprocess"), 0.0)
         _LIVE.add(self)
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ state
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.loop.version
 
     @property
     def paused(self) -> bool:
-        return not self._resumed.is_set()
+        return self.loop.paused
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the step loop, or None while the engine serves."""
+        return self.loop.error
+
+    @property
+    def num_steps(self) -> int:
+        return self.loop.num_steps
+
+    @property
+    def step_seconds(self) -> dict[str, float]:
+        return self.loop.step_seconds
 
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    # ------------------------------------------------------------------ requests
+
     def submit(self, prompt_ids, params: SamplingParams | None = None) -> Future:
         """Queue one request; the Future resolves to a ``GenerationOutput``.
 
-        Bad input raises ValueError/TypeError here; other requests are unaffected.
-        Cancelling the Future aborts the request at the next step.
+        Bad input raises ValueError/TypeError here; other requests are unaffected. A
+        closed engine raises ``EngineClosedError``, a broken one ``EngineBrokenError``
+        (both RuntimeError). Cancelling the Future aborts the request and frees its KV
+        blocks at the next loop iteration, also while paused.
         """
-        seq = self._make_sequence(prompt_ids, params)
-        return self._enqueue(seq)
+        self.loop.check_usable()
+        return self.loop.enqueue(self._make_sequence(prompt_ids, params))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[GenerationOutput]:
@@ -121,13 +128,14 @@ class LLM:
         """
         prompts = list(prompts)
         params_list = self._params_list(params, len(prompts))
+        self.loop.check_usable()
         seqs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
             try:
                 seqs.append(self._make_sequence(prompt, sp))
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
-        futures = [self._enqueue(seq) for seq in seqs]
+        futures = [self.loop.enqueue(seq) for seq in seqs]
         with Progress(len(futures), "generate", enabled=progress, unit="req") as bar:
             for _ in as_completed(futures):
                 bar.update()
@@ -136,6 +144,25 @@ class LLM:
     async def agenerate(self, prompt_ids, params: SamplingParams | None = None) -> GenerationOutput:
         """asyncio-friendly ``submit``: awaits the request's ``GenerationOutput``."""
         return await asyncio.wrap_future(self.submit(prompt_ids, params))
+
+    def pause(self) -> None:
+        """Stop stepping; returns once the step in flight has ended and no other can start."""
+        self.loop.pause()
+
+    def resume(self) -> None:
+        self.loop.resume()
+
+    def close(self) -> None:
+        """Stop the engine thread; requests still pending finish with reason "abort"."""
+        self.loop.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ weights
 
     def validate_weights(self, weights) -> list[str]:
         """Raise what a partial ``update_weights(weights, strict=False)`` would raise (unknown
@@ -154,60 +181,26 @@ class LLM:
         With ``recompute_running`` the running sequences go back to prefill (recompute-style
         preemption), so their KV caches are rebuilt with the new weights and each later
         token is exactly what a training forward at the new version computes. Returns the
-        number of sequences sent back.
+        number of sequences sent back. A broken engine raises ``EngineBrokenError``.
         """
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         target = self._weight_target().state_dict()
         pairs = plan_update(target, as_state_dict(weights), strict=strict)
-        with self._step_lock:
+        with self.loop.between_steps():
             apply_update(pairs)
             hook = getattr(self.model, "on_weights_updated", None)
             if callable(hook):
                 hook()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._version = self._version + 1 if version is None else version
+            self.loop.version = self.loop.version + 1 if version is None else version
             return self.scheduler.preempt_all_running() if recompute_running else 0
-
-    def pause(self) -> None:
-        """Stop stepping after the step in flight (returns once it has ended)."""
-        self._resumed.clear()
-        with self._step_lock:
-            pass
-
-    def resume(self) -> None:
-        self._resumed.set()
-
-    def close(self) -> None:
-        """Stop the engine thread; requests still pending finish with reason "abort"."""
-        if self._closed:
-            return
-        self._closed = True
-        self._inbox.put(None)
-        self._resumed.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        with self._step_lock:
-            self._drain_inbox()
-            for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-                self.scheduler.abort(seq)
-                self._complete(seq)
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    # ------------------------------------------------------------------ requests
 
     def _weight_target(self) -> torch.nn.Module:
         return getattr(self.model, "hf_model", self.model)
+
+    # ------------------------------------------------------------------ validation
 
     @staticmethod
     def _params_list(params, n: int) -> list[SamplingParams]:
@@ -240,8 +233,6 @@ class LLM:
         return ids
 
     def _make_sequence(self, prompt_ids, params: SamplingParams | None) -> Sequence:
-        if self._closed:
-            raise RuntimeError("the engine is closed")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -253,110 +244,3 @@ class LLM:
             seq_id = next(self._seq_ids)
             key = params.seed if params.seed is not None else self._keys.getrandbits(63)
         return Sequence(seq_id, ids, params, key)
-
-    def _enqueue(self, seq: Sequence) -> Future:
-        future: Future = Future()
-        self._futures[seq.seq_id] = future
-        future.add_done_callback(self._note_cancel(seq.seq_id))
-        self._inbox.put(seq)
-        self._ensure_thread()
-        return future
-
-    def _ensure_thread(self) -> None:
-        with self._submit_lock:
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._loop, name="areal-tik-engine", daemon=True)
-                self._thread.start()
-
-    # ------------------------------------------------------------------ engine loop
-
-    def _loop(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # kernels launch on the current device
-        while not self._closed:
-            idle = not self.scheduler.has_work()
-            if not self._wait_for_work(block=idle):
-                continue
-            if not self._resumed.wait(timeout=0.1):
-                continue
-            with self._step_lock:
-                if not self._closed:
-                    self._step()
-
-    def _wait_for_work(self, block: bool) -> bool:
-        """Move queued requests into the scheduler; False when the engine should stop or idle."""
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return not block
-        if item is None:
-            return False
-        self.scheduler.add(item)
-        self._drain_inbox()
-        return True
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self.scheduler.add(item)
-
-    def _step(self) -> None:
-        start = time.perf_counter()
-        self._reap_cancelled()
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            assert not self.scheduler.has_work(), "scheduler has work but scheduled nothing"
-            return
-        timing = self.step_seconds
-        timing["schedule"] += time.perf_counter() - start
-        try:
-            result = self.runner.run(seqs, is_prefill, timing)
-        except Exception as exc:  # a failed step fails its requests, the engine keeps serving
-            logger.exception("engine step failed; failing %d requests", len(seqs))
-            for seq in seqs:
-                self.scheduler.abort(seq)
-                self._fail(seq, exc)
-            return
-        self.num_steps += 1
-        start = time.perf_counter()
-        for seq in self.scheduler.postprocess(seqs, result.tokens, result.logprobs, self._version):
-            self._complete(seq)
-        timing["postprocess"] += time.perf_counter() - start
-
-    def _note_cancel(self, seq_id: int):
-        # Runs in whichever thread resolves the Future; set.add is atomic under the GIL.
-        # The engine then scans its queues only on steps after a cancellation.
-        def callback(future: Future) -> None:
-            if future.cancelled():
-                self._cancelled.add(seq_id)
-        return callback
-
-    def _reap_cancelled(self) -> None:
-        if not self._cancelled:
-            return
-        ids = set(self._cancelled)
-        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if seq.seq_id in ids:
-                self.scheduler.abort(seq)
-                self._futures.pop(seq.seq_id, None)
-        # Ids not found are still in the inbox (reaped on a later step) or already resolved.
-        self._cancelled.difference_update(i for i in ids if i not in self._futures)
-
-    def _complete(self, seq: Sequence) -> None:
-        self._resolve(seq, lambda f: f.set_result(seq.to_output()))
-
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        self._resolve(seq, lambda f: f.set_exception(exc))
-
-    def _resolve(self, seq: Sequence, how) -> None:
-        future = self._futures.pop(seq.seq_id, None)
-        if future is None:
-            return
-        try:
-            how(future)
-        except InvalidStateError:  # cancelled by the caller meanwhile
-            pass

@@ -1,0 +1,50 @@
+"""Staged decode inputs equal the per-row values, also through a separate device buffer."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from areal_tik.engine import SamplingParams
+from areal_tik.engine.block_manager import BlockManager
+from areal_tik.engine.sequence import Sequence
+
+
+def test_decode_staging_matches_per_row_inputs():
+    # Staged decode inputs equal the per-row values (padding rows: token 0, position 0,
+    # scratch slot, context 1, scratch table), also through a separate "device" buffer
+    # that receives only the copied prefix, as on a GPU.
+    from areal_tik.engine.decode_inputs import DecodeInputs
+    from areal_tik.engine.block_manager import SCRATCH_BLOCK
+    rng = random.Random(0)
+    blocks = BlockManager(64, 4)
+    staging = DecodeInputs(8, 6, blocks, torch.device("cpu"))
+    staging._dev = torch.full_like(staging._host, -7)  # stale values must never leak through
+    staging._bind_device_views()
+    for trial in range(6):
+        seqs = []
+        for i in range(rng.randint(1, 8)):
+            seq = Sequence(100 * trial + i, [rng.randrange(5, 50) for _ in range(rng.randint(1, 20))],
+                           SamplingParams(), rng.getrandbits(63))
+            seq.append(rng.randrange(5, 50), -1.0, 0)
+            blocks.allocate(seq)
+            seqs.append(seq)
+        rows = rng.randint(len(seqs), 8)
+        staging.stage(seqs, rows)
+        got = staging.model_inputs(rows)
+        pad = rows - len(seqs)
+        tables = [s.block_table + [SCRATCH_BLOCK] * (6 - len(s.block_table)) for s in seqs]
+        want = dict(input_ids=[s.last_token for s in seqs] + [0] * pad,
+                    positions=[s.num_tokens - 1 for s in seqs] + [0] * pad,
+                    slot_mapping=[blocks.slot(s, s.num_tokens - 1) for s in seqs] + [0] * pad,
+                    block_tables=tables + [[SCRATCH_BLOCK] * 6] * pad,
+                    context_lens=[s.num_tokens for s in seqs] + [1] * pad)
+        for name, values in want.items():
+            assert got[name].tolist() == values, name
+        keys, counters = staging.sample_keys(len(seqs))
+        assert keys.tolist() == [s.sample_key for s in seqs]
+        assert counters.tolist() == [s.num_output_tokens for s in seqs]
+        assert got["block_tables"].dtype == got["context_lens"].dtype == torch.int32
+        assert got["block_tables"].is_contiguous()
+        for seq in seqs:
+            blocks.free(seq)
