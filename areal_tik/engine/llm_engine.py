@@ -103,6 +103,11 @@ class LLM:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    @property
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache counters (hits, hit_tokens = prefill tokens saved, hit_rate, ...)."""
+        return self.runner.block_manager.stats.as_dict()
+
     def submit(self, prompt_ids, params: SamplingParams | None = None) -> Future:
         """Queue one request; the Future resolves to a ``GenerationOutput``.
 
@@ -168,6 +173,7 @@ class LLM:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._version = self._version + 1 if version is None else version
+            self.runner.block_manager.reset_prefix_cache(self._version)  # no old K/V after this
             return self.scheduler.preempt_all_running() if recompute_running else 0
 
     def pause(self) -> None:
