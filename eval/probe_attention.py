@@ -263,30 +263,33 @@ def _mma_layouts(ttgir) -> set:
 
 
 _FWD_PTRS = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kc_ptr", "vc_ptr")},
-             **dict(lse_ptr="*fp32", cu_ptr="*i32", table_ptr="*i32", ctx_ptr="*i32", part_ptr="*fp32")}
+             **dict(lse_ptr="*fp32", cu_ptr="*i32", table_ptr="*i32", ctx_ptr="*i32", part_ptr="*fp32",
+                start_ptr="*i32")}
 
 
-def aot_forward(cfg, dim, dtype=torch.bfloat16, direct=False):
+def aot_forward(cfg, dim, dtype=torch.bfloat16, direct=False, paged=False):
     ptrs = dict(_FWD_PTRS)
     if dtype == torch.float32:
         ptrs.update({n: "*fp32" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kc_ptr", "vc_ptr")})
     common = dict(HEAD_DIM=dim, BLOCK_N=cfg.block_n, TILES_PER_SPLIT=cfg.kv_split // cfg.block_n,
                   UNMASKED_LOOP=cfg.unmasked_loop, DOT_FP32=False, PRECISION=F._precision(dtype))
     rows, warps = F.prefill_tiling(cfg, dtype)
-    pre = _aot(F._prefill_fwd_kernel, ptrs, dict(common, BLOCK_M=rows, STORE_LSE=True), warps, cfg.stages_prefill)
+    pre = _aot(F._prefill_fwd_kernel, ptrs, dict(common, BLOCK_M=rows, STORE_LSE=not paged, PAGED=paged),
+               warps, cfg.stages_prefill)
     dec = _aot(F._decode_fwd_kernel, ptrs, dict(common, BLOCK_M=cfg.block_m, DIRECT=direct),
                cfg.num_warps, cfg.stages_decode)
     return pre, dec
 
 
-def _same_core(cfg, dim, dtype=torch.bfloat16) -> tuple[bool, str]:
-    """Prefill and decode must share MMA instruction shapes with every warp on its own rows;
-    with masked steps only and the single-split decode (one core loop and one merge each)
-    their per-thread float ops must match."""
-    (_, pre_ir, _), (_, dec_ir, _) = aot_forward(cfg, dim, dtype)
+def _same_core(cfg, dim, dtype=torch.bfloat16, paged=False) -> tuple[bool, str]:
+    """Prefill (``paged``: the chunked / prefix-hit variant) and decode must share MMA
+    instruction shapes with every warp on its own rows; with masked steps only and the
+    single-split decode (one core loop and one merge each) their per-thread float ops
+    must match."""
+    (_, pre_ir, _), (_, dec_ir, _) = aot_forward(cfg, dim, dtype, paged=paged)
     layouts_ok = _mma_layouts(pre_ir) == _mma_layouts(dec_ir) and all(w == "1" for _, w, _ in _mma_layouts(pre_ir))
     (pre_ptx, _, _), (dec_ptx, _, _) = aot_forward(dataclasses.replace(cfg, unmasked_loop=False), dim, dtype,
-                                                   direct=True)
+                                                   direct=True, paged=paged)
     a, b = _float_ops(pre_ptx), _float_ops(dec_ptx)
     ops_ok = a == b and (dtype == torch.float32 or any("mma" in op for op in a))
     why = "" if layouts_ok else f" layouts {_mma_layouts(pre_ir)} vs {_mma_layouts(dec_ir)}"
@@ -328,6 +331,10 @@ def aot_main(check: bool) -> int:
         _aot(B._bwd_delta_kernel, {"delta_ptr": "*fp32", "cu_ptr": "*i32"}, dict(HEAD_DIM=128, BLOCK_T=32), 4, 1)
         same, why = _same_core(F.GPU_CONFIG, 64, torch.float32)
         failures += not same
+        for dim in (64, 128):
+            same, why = _same_core(F.GPU_CONFIG, dim, paged=True)
+            print(f"D={dim} paged prefill vs decode: core {'identical' if same else 'DIFFERS:' + why}", flush=True)
+            failures += not same
         print(f"D=64 fp32 prefill vs decode core {'identical' if same else 'DIFFERS:' + why}")
     return 1 if failures else 0
 

@@ -38,6 +38,13 @@ class EngineConfig:
     cuda_graph_sizes:       the exact buckets to capture (default: 1, 2, 4, 8, then
                             multiples of 16 up to max_graph_batch_size).
     seed:                   derives the sampling key of requests that carry no seed.
+    enable_prefix_caching:  reuse the K/V of full blocks of earlier sequences with the same
+                            token prefix (the n samples of a GRPO prompt, multi-turn
+                            prefixes); dropped on every weight update. Bits are unchanged.
+    prefill_chunk_tokens:   chunked prefill: prompt tokens one step computes, in the same
+                            step as the decode rows (None: whole prompts, in prefill-only
+                            steps). At least ``kv_block_size`` (a multiple of the attention's
+                            KV tile). Bits are unchanged.
     """
 
     max_num_seqs: int = 256
@@ -51,6 +58,8 @@ class EngineConfig:
     max_graph_batch_size: int | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
     seed: int = 0
+    enable_prefix_caching: bool = False
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -84,6 +93,21 @@ class EngineConfig:
                                  f"({self.max_num_seqs}), got {self.cuda_graph_sizes!r}")
             self.cuda_graph_sizes = sizes
         _check_int("seed", self.seed)
+        self._check_prefix_and_chunks()
+
+    def _check_prefix_and_chunks(self) -> None:
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        _check_int("prefill_chunk_tokens", self.prefill_chunk_tokens, allow_none=True)
+        chunk = self.prefill_chunk_tokens
+        if chunk is not None and chunk < self.kv_block_size:
+            raise ValueError(f"prefill_chunk_tokens must be >= kv_block_size ({self.kv_block_size}, a "
+                             f"multiple of the attention's KV tile), got {chunk!r}")
+        need = self.max_blocks_per_seq + 1
+        if self.num_kv_blocks is not None and self.num_kv_blocks < need:
+            raise ValueError(f"num_kv_blocks must hold one sequence of max_model_len={self.max_model_len} "
+                             f"({need} blocks of {self.kv_block_size} with the scratch block), "
+                             f"got {self.num_kv_blocks!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -106,6 +106,11 @@ class LLM:
     def device(self) -> torch.device:
         return self.runner.device
 
+    @property
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache counters (hits, hit_tokens = prefill tokens saved, hit_rate, ...)."""
+        return self.runner.block_manager.stats.as_dict()
+
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt_ids, params: SamplingParams | None = None) -> Future:
@@ -195,6 +200,7 @@ class LLM:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.loop.version = self.loop.version + 1 if version is None else version
+            self.runner.block_manager.reset_prefix_cache(self.loop.version)  # no old K/V after this
             return self.scheduler.preempt_all_running() if recompute_running else 0
 
     def _weight_target(self) -> torch.nn.Module:

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from . import sampler
-from .block_manager import BlockManager
+from .block_manager import SCRATCH_BLOCK, BlockManager
 from .config import EngineConfig
 from .decode_inputs import DecodeInputs
-from .sequence import Sequence
+from .sequence import Sequence, split_step
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ModelRunner:
         num_blocks = config.num_kv_blocks or self._measure_num_blocks()
         self._check_num_blocks(num_blocks)
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
-        self.block_manager = BlockManager(num_blocks, self.block_size)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._buckets: list[int] = []  # sorted(self.graphs)
         self.graph_replays = 0  # decode steps served by a CUDA graph
@@ -132,21 +132,35 @@ class ModelRunner:
         return t
 
     def prepare_prefill(self, seqs: list[Sequence]) -> dict:
-        ids, positions, slots, cu = [], [], [], [0]
+        """Inputs of the chunks [num_computed, num_computed + num_scheduled) of ``seqs``.
+        Chunks that start past position 0 (a later chunk, or after a prefix-cache hit)
+        attend over the paged cache: then the block tables and start positions go too."""
+        ids, positions, slots, cu, logits, starts = [], [], [], [0], [], []
         for seq in seqs:
-            n = seq.num_tokens
-            ids.extend(seq.token_ids)
-            positions.extend(range(n))
-            slots.extend(self.block_manager.slots(seq, 0, n))
-            cu.append(cu[-1] + n)
-        return dict(
+            a = seq.num_computed_tokens
+            b = a + seq.num_scheduled_tokens
+            ids.extend(seq.token_ids[a:b])
+            positions.extend(range(a, b))
+            slots.extend(self.block_manager.slots(seq, a, b))
+            cu.append(cu[-1] + b - a)
+            starts.append(a)
+            if b == seq.num_tokens:  # the chunk ends the sequence: its last row samples
+                logits.append(cu[-1] - 1)
+        inputs = dict(
             input_ids=self._to_device(ids, torch.int64),
             positions=self._to_device(positions, torch.int64),
             cu_seqlens=self._to_device(cu, torch.int32),
-            max_seqlen=max(s.num_tokens for s in seqs),
+            max_seqlen=max(e - s for s, e in zip(cu[:-1], cu[1:])),
             slot_mapping=self._to_device(slots, torch.int64),
-            logits_indices=self._to_device([c - 1 for c in cu[1:]], torch.int64),
+            # a step of chunks only still needs one row for the final norm: discarded
+            logits_indices=self._to_device(logits or [cu[-1] - 1], torch.int64),
         )
+        if any(starts):
+            width = max(len(s.block_table) for s in seqs)
+            tables = [s.block_table + [SCRATCH_BLOCK] * (width - len(s.block_table)) for s in seqs]
+            inputs.update(block_tables=self._to_device(tables, torch.int32),
+                          query_starts=self._to_device(starts, torch.int32))
+        return inputs
 
     # ------------------------------------------------------------------ forward
 
@@ -160,22 +174,35 @@ class ModelRunner:
         self._result_np = self._result_host.numpy()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, timing: dict | None = None) -> StepResult:
-        """One step; adds host seconds to ``timing["launch"]`` / ``["wait"]`` when given."""
+    def run(self, seqs: list[Sequence], is_prefill: bool | None = None,
+            timing: dict | None = None) -> StepResult:
+        """One step: the prefill chunks, then the decode rows (``split_step``; each
+        sequence's ``num_scheduled_tokens`` says what it computes, ``is_prefill`` is not
+        needed). Results are in ``sequence.sampling_rows`` order. Adds host seconds to
+        ``timing["launch"]`` / ``["wait"]`` when given."""
         start = time.perf_counter()
-        if is_prefill:
-            tokens, logprobs = self.sample(self._prefill(seqs), seqs)
-        else:
-            hidden = self._decode(seqs)
-            tokens, logprobs = self.sample(hidden, seqs, self.decode_inputs.sample_keys(len(seqs)))
-        n = len(seqs)
+        prefill, decode = split_step(seqs)
+        parts = []
+        if prefill:
+            hidden = self._prefill(prefill)
+            done = [s for s in prefill if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens]
+            if done:
+                parts.append(self.sample(hidden, done))
+        if decode:
+            hidden = self._decode(decode)
+            parts.append(self.sample(hidden, decode, self.decode_inputs.sample_keys(len(decode))))
+        n = sum(p[0].shape[0] for p in parts)
         if 2 * n > self._result_host.numel():  # prefill batches are bounded by max_num_seqs too
             self._init_result_buffers(n)
         out = self._result_dev
-        out[:n].copy_(tokens)
-        out[n:2 * n].copy_(logprobs)
+        row = 0
+        for tokens, logprobs in parts:
+            k = tokens.shape[0]
+            out[row:row + k].copy_(tokens)
+            out[n + row:n + row + k].copy_(logprobs)
+            row += k
         launched = time.perf_counter()
-        if out is not self._result_host:
+        if out is not self._result_host and n:
             self._result_host[:2 * n].copy_(out[:2 * n])  # blocking: waits for the step
         values = self._result_np[:2 * n]
         if timing is not None:

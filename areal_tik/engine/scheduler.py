@@ -1,12 +1,23 @@
 """Continuous batching: which sequences run in the next step, and what happens after it.
 
-Each step is either a prefill of newly admitted (or preempted) sequences or one decode
-token for every running sequence. A waiting sequence is admitted when the sequence
-count, the prefill token budget and the free KV blocks allow it. When a running
-sequence needs a block and none is free, the most recently admitted running sequence
-is preempted recompute-style: its blocks are freed and it goes back to the front of
-the waiting queue, to be prefilled again over its prompt plus the tokens it already
+Without chunked prefill each step is either a prefill of newly admitted (or preempted)
+sequences or one decode token for every running sequence. A waiting sequence is admitted
+when the sequence count, the prefill token budget and the free KV blocks allow it. When a
+running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted recompute-style: its blocks are freed and it goes back to the front
+of the waiting queue, to be prefilled again over its prompt plus the tokens it already
 generated. Every step samples at least one token, so preemption cannot livelock.
+
+With chunked prefill (``prefill_chunk_tokens``) every step decodes one token for each
+running sequence whose prompt is done AND computes up to that many prompt tokens of
+sequences still in prefill (those already running first, then new admissions): a long
+prompt no longer stalls the decoding batch for its whole length.
+
+With the prefix cache, an admission starts past its cached prefix. A sequence whose next
+block is being written by a running prefill (n samples of one prompt, submitted
+together) waits until that block is registered, then reuses it; within one step a
+prefill never reads K/V written by another sequence of the same launch, so the kernels'
+order of reads and writes stays that of a cold prefill.
 """
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ from collections import deque
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, sampling_rows
 
 
 class Scheduler:
@@ -43,29 +54,45 @@ class Scheduler:
         seq.finish("abort")
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return (sequences, is_prefill) for the next step; empty when there is no work."""
-        batch = self._schedule_prefill()
+        """Return (sequences, has_prefill) for the next step; empty when there is no work.
+        Each sequence's ``num_scheduled_tokens`` says how many of its tokens the step computes."""
+        if self.config.prefill_chunk_tokens is not None:
+            return self._schedule_mixed()
+        batch = self._admit(self.config.max_num_batched_tokens, chunked=False)
         if batch:
             return batch, True
         return self._schedule_decode(), False
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _admit(self, budget: int, chunked: bool) -> list[Sequence]:
+        """Admit waiting sequences in order within ``budget`` prompt tokens (a chunk of the
+        first one that does not fit, when ``chunked``); skip those waiting on a pending block."""
         batch: list[Sequence] = []
-        budget = self.config.max_num_batched_tokens
+        deferred: list[Sequence] = []
+        blocks = self.blocks
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_tokens > budget or not self.blocks.can_allocate(seq):
+            seq = self.waiting.popleft()
+            hits = blocks.match(seq)
+            if blocks.waits_on_pending(seq, len(hits)):
+                deferred.append(seq)
+                continue
+            todo = seq.num_tokens - len(hits) * blocks.block_size
+            n = min(todo, budget) if chunked else todo
+            if n <= 0 or n > budget or not blocks.can_allocate(seq, hits):
+                self.waiting.appendleft(seq)
                 break
-            budget -= seq.num_tokens
-            self.blocks.allocate(seq)
+            blocks.allocate(seq, hits)
+            seq.num_scheduled_tokens = n
+            budget -= n
             seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
             self.running.append(seq)
             batch.append(seq)
+        self.waiting.extendleft(reversed(deferred))
         return batch
 
-    def _schedule_decode(self) -> list[Sequence]:
-        batch: list[Sequence] = []
+    def _reserve(self) -> list[Sequence]:
+        """Give every running sequence a slot for its next token, preempting the newest
+        when blocks run out; returns the running sequences that remain, in order."""
+        kept: list[Sequence] = []
         try_append_slot = self.blocks.try_append_slot
         while self.running:
             seq = self.running.popleft()
@@ -76,9 +103,33 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                batch.append(seq)
-        self.running.extend(batch)
+                kept.append(seq)
+        self.running.extend(kept)
+        return kept
+
+    def _schedule_decode(self) -> list[Sequence]:
+        batch = self._reserve()
+        for seq in batch:  # without chunks a running sequence has all but its last token's K/V
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            seq.num_scheduled_tokens = 1
         return batch
+
+    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
+        budget = self.config.prefill_chunk_tokens
+        prefill: list[Sequence] = []
+        decode: list[Sequence] = []
+        for seq in self._reserve():
+            todo = seq.num_tokens - seq.num_computed_tokens
+            n = 1 if todo == 1 else min(todo, budget)
+            seq.num_scheduled_tokens = n
+            if todo == 1:
+                decode.append(seq)
+            elif n:
+                budget -= n
+                prefill.append(seq)
+        if budget:
+            prefill += self._admit(budget, chunked=True)
+        return prefill + decode, bool(prefill)
 
     def preempt_all_running(self) -> int:
         """Send every running sequence back to prefill, keeping their order; returns how many.
@@ -101,9 +152,18 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float],
                     version: int) -> list[Sequence]:
-        """Append each sequence's sampled token; finish and free those that stop. Returns them."""
+        """Advance each sequence's K/V progress by its scheduled tokens; append the sampled
+        token of each that sampled (``sampling_rows`` order); finish and free those that
+        stop. Returns the finished ones."""
+        rows = sampling_rows(seqs)
+        register = self.blocks.register if self.blocks.prefix_caching else None
+        for seq in seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if register is not None:
+                register(seq)
         finished = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
             seq.append(token, logprob, version)
             reason = self._stop_reason(seq, token)
             if reason is not None:

@@ -31,6 +31,7 @@ class GenerationOutput:
     logprob_temperature: float = 1.0
     logprobs_match_sampling: bool = True
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (last admission)
     text: str | None = None
 
 
@@ -49,6 +50,18 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # K/V progress: tokens whose K/V are in the cache (computed or prefix-cache hits), and
+    # tokens the current step computes (a prefill chunk, or 1 for a decode row).
+    num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Prefix-cache bookkeeping (BlockManager): chained hashes of the full blocks of
+    # token_ids, how many of this sequence's blocks are registered, the hashes it is still
+    # to write (others with the same prefix wait for them), the weight version of its K/V.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    pending_hashes: list[bytes] = field(default_factory=list)
+    kv_version: int = 0
 
     def __post_init__(self):
         self.prompt_ids = list(self.prompt_ids)
@@ -98,4 +111,27 @@ class Sequence:
             logprob_temperature=self.params.logprob_temperature,
             logprobs_match_sampling=self.params.logprobs_match_sampling,
             num_preemptions=self.num_preemptions,
+            num_cached_tokens=self.num_cached_tokens,
         )
+
+
+def is_decode_row(seq: Sequence) -> bool:
+    """The step computes only the last token's K/V (a decode row; also the last token of a
+    prefill): it runs in the decode batch, whose attention gives the same bits."""
+    return seq.num_scheduled_tokens == 1 and seq.num_computed_tokens + 1 == len(seq.token_ids)
+
+
+def split_step(seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """(prefill chunks, decode rows) of one step's sequences, each in step order."""
+    prefill = [s for s in seqs if not is_decode_row(s)]
+    if not prefill:
+        return [], seqs
+    return prefill, [s for s in seqs if is_decode_row(s)]
+
+
+def sampling_rows(seqs: list[Sequence]) -> list[Sequence]:
+    """The sequences that sample a token this step, in the order of the step's results:
+    prefill chunks that end their sequence's tokens, then the decode rows."""
+    prefill, decode = split_step(seqs)
+    done = [s for s in prefill if s.num_computed_tokens + s.num_scheduled_tokens == len(s.token_ids)]
+    return done + decode

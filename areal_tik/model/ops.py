@@ -30,7 +30,7 @@ from areal_tik.unified_kernels import reference
 OP_NAMES = (
     "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
     "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
-    "attention_varlen", "store_kv_cache", "attention_decode",
+    "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
 )
 KINDS = ("unified", "standard")
 _KERNEL_PACKAGE = "areal_tik.unified_kernels"
@@ -264,6 +264,26 @@ def _std_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softm
     return out[:, :, 0, :]
 
 
+def _std_attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables,
+                                 query_starts, softmax_scale=None, *, validate=True):
+    """Per sequence: gather its paged K/V of positions [0, start + n) and call SDPA with
+    the causal mask shifted by ``start`` (rows past cu_seqlens[-1] are zeros)."""
+    out = torch.zeros_like(q)
+    cu, starts = cu_seqlens.tolist(), query_starts.tolist()
+    bs = k_cache.shape[1]
+    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        n_ctx = starts[s] + b - a
+        pos = torch.arange(n_ctx, device=q.device)
+        slots = block_tables[s].long()[pos // bs] * bs + pos % bs
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots].transpose(0, 1)
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots].transpose(0, 1)
+        mask = pos[None, :] <= (starts[s] + torch.arange(b - a, device=q.device))[:, None]
+        out[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k, v, attn_mask=mask, scale=softmax_scale,
+            enable_gqa=True).transpose(0, 1)
+    return out
+
+
 _STANDARD = {
     "linear": _std_linear,
     "rms_norm": _std_rms_norm,
@@ -277,6 +297,7 @@ _STANDARD = {
     "attention_varlen": _std_attention_varlen,
     "store_kv_cache": _std_store_kv_cache,
     "attention_decode": _std_attention_decode,
+    "attention_paged_prefill": _std_attention_paged_prefill,
 }
 assert set(_STANDARD) == set(OP_NAMES)
 

@@ -211,12 +211,19 @@ class UnifiedCausalLM:
         return body
 
     def prefill(self, input_ids, positions, cu_seqlens, max_seqlen: int, cache: KVCache,
-                slot_mapping, logits_indices):
+                slot_mapping, logits_indices, block_tables=None, query_starts=None):
         """Prompt forward that writes K/V to ``cache`` at ``slot_mapping``; returns the
-        final-normed hidden ``[S, hidden]`` of the rows ``logits_indices``."""
+        final-normed hidden ``[S, hidden]`` of the rows ``logits_indices``.
+
+        With ``block_tables`` ``[S, W]`` and ``query_starts`` ``[S]`` (int32) the rows of
+        sequence s are positions ``query_starts[s] + [0, n_s)`` (a later chunk, or the part
+        after a prefix-cache hit) and attend over the paged cache, which already holds the
+        earlier positions."""
         self._check_packed(input_ids, positions, cu_seqlens)
         _check_int("slot_mapping", slot_mapping, 1)
         _check_int("logits_indices", logits_indices, 1)
+        if (block_tables is None) != (query_starts is None):
+            raise ValueError("block_tables and query_starts must be given together")
         ops, scale = self.ops, self.config.softmax_scale
 
         def attend_for(index):
@@ -226,6 +233,9 @@ class UnifiedCausalLM:
 
             def attend(q, k, v):
                 ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=check)
+                if block_tables is not None:
+                    return ops.attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen,
+                                                       block_tables, query_starts, scale, validate=check)
                 return ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, validate=check)
             return attend
 

@@ -22,6 +22,8 @@ Functional API (bf16 or fp32 activations; CUDA tensors, or CPU tensors under
 - ``attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale)`` attention.py
 - ``store_kv_cache(k, v, k_cache, v_cache, slot_mapping)``              attention.py
 - ``attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)`` attention.py
+- ``attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables,
+  query_starts, softmax_scale)`` attention.py (rows starting past position 0)
 
 The embedding lookup stays a torch gather (``weight[ids]``): it copies bits and is
 exact in every regime, so it needs no kernel.
@@ -34,7 +36,7 @@ from __future__ import annotations
 # here means the package attributes `linear` and `rms_norm` are the functions, never the
 # submodules of the same name (reach those through importlib.import_module).
 from ._common import bits, bitwise_equal
-from .attention import attention_decode, attention_varlen, store_kv_cache
+from .attention import attention_decode, attention_paged_prefill, attention_varlen, store_kv_cache
 from .linear import linear
 from .logprob import gather_logprobs, lm_head_logits_lse, token_logprobs
 from .rms_norm import add_rms_norm, rms_norm
@@ -45,5 +47,5 @@ __all__ = [
     "bits", "bitwise_equal",
     "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
     "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
-    "attention_varlen", "store_kv_cache", "attention_decode",
+    "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
 ]

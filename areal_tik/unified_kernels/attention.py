@@ -6,7 +6,9 @@ regime, so a query row's output bits are the same whether it is computed
 - by ``attention_varlen`` in a packed micro-batch (any composition, padding rows),
 - by prefill of its sequence alone (``store_kv_cache`` + ``attention_varlen``), or
 - by ``attention_decode`` at context p + 1 from a paged cache (any block table, unused
-  slots holding garbage, any batch composition or order).
+  slots holding garbage, any batch composition or order), or
+- by ``attention_paged_prefill`` in a chunk of rows starting at any position of its
+  sequence, the earlier K/V read from the paged cache (chunked prefill, prefix-cache hits).
 
 See ``_attention_fwd`` for the schedule (fixed BLOCK_N tiles anchored at position 0,
 fixed-size KV splits folded in order) and why it is regime-invariant, ``_attention_bwd``
@@ -274,6 +276,49 @@ def attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_sc
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _attention_fwd.launch_decode(q, k_cache, v_cache, block_tables, context_lens, out,
                                  _scale(softmax_scale, q.shape[-1]), config)
+    return out
+
+
+def attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables,
+                            query_starts, softmax_scale=None, *, validate: bool = True,
+                            config: FwdConfig | None = None):
+    """Causal attention of query rows that start past position 0 (chunked prefill,
+    prefix-cache hits): sequence s has rows ``cu[s]:cu[s + 1]`` at positions
+    ``query_starts[s] + [0, n_s)`` and reads K/V of positions ``[0, query_starts[s] + n_s)``
+    from the paged caches (earlier chunks or cached blocks, and its own rows, stored
+    before the call). A row's bits equal ``attention_varlen`` over the whole sequence and
+    ``attention_decode`` at that position. Inference only (no autograd).
+
+    q ``[T, Hq, D]``, caches ``[num_blocks, block_size, Hk, D]``, ``cu_seqlens`` ``[S + 1]``
+    int32, ``max_seqlen`` the most query rows of one sequence, ``block_tables``
+    ``[S, max_blocks]`` int32, ``query_starts`` ``[S]`` int32. Rows past ``cu[-1]`` get zeros.
+    """
+    config = config or _attention_fwd.default_config()
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3, allow_empty=True)
+    _check_cache(k_cache, v_cache, config)
+    for name, t, ndim in (("cu_seqlens", cu_seqlens, 1), ("block_tables", block_tables, 2),
+                          ("query_starts", query_starts, 1)):
+        check_tensor(name, t, dtypes=(torch.int32,), ndim=ndim, allow_empty=name != "cu_seqlens")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens=cu_seqlens,
+                      block_tables=block_tables, query_starts=query_starts)
+    _check_heads("q", q, "k_cache", k_cache)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if block_tables.shape[0] != num_seqs or query_starts.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and query_starts "
+                         f"{tuple(query_starts.shape)} must have one row per sequence (S = {num_seqs})")
+    max_seqlen = _check_varlen(q, q[:, :1], q[:, :1], cu_seqlens, max_seqlen, validate)
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    if _checking(validate) and num_seqs:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(query_starts.device)
+        if int(query_starts.min()) < 0:
+            raise ValueError(f"query_starts must be >= 0, got min {int(query_starts.min())}")
+        _check_decode_values(block_tables, query_starts + lengths, k_cache.shape[0], k_cache.shape[1])
+    q = _unit_last_stride(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] > 0:
+        _attention_fwd.launch_prefill_paged(q, k_cache, v_cache, cu_seqlens, block_tables,
+                                            query_starts, out, num_seqs, max_seqlen,
+                                            _scale(softmax_scale, q.shape[-1]), config)
     return out
 
 
