@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from areal_tik.engine import LLM, EngineConfig, GenerationOutput, SamplingParams
-from areal_tik.engine import consistency, sampler
+from areal_tik import consistency
+from areal_tik.engine import sampler
 from areal_tik.engine.block_manager import BlockManager
 from areal_tik.engine.model_runner import graph_buckets
 from areal_tik.engine.scheduler import Scheduler
