@@ -1,9 +1,11 @@
 """GRPO end to end through AReaL's stock PPOTrainer: the flag on vs the stock path.
 
-    python -m eval.bench_grpo --model smollm2 --steps 20 --out eval/results/<run>
-    python -m eval.bench_grpo --model qwen3-0.6b --steps 20 --max-new-tokens 256 --out ...
+    python3 -m eval.bench_grpo --model smollm2 --steps 20 --out eval/results/<run>
+    python3 -m eval.bench_grpo --model qwen3-0.6b --steps 20 --max-new-tokens 256 --out ...
 
-Modes, each in its own process, same seeds, same config but for the actor options:
+Modes, each in its own process, same seeds, same config but for the actor options. The
+config is the shipped GPU recipe (``recipes/basic_arithmetic_grpo_smollm2.yaml``; the CPU
+one for ``--model tiny``) plus the overrides of ``mode_overrides``, never a copy:
 
 - ``tik``: ``actor.unified_kernels: true`` -- training forward and the areal-tik rollout
   engine on the unified kernels, rollout log-probs reused as the old log-probs (no
@@ -32,10 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.harness import REPO, run_info, write_csv  # noqa: E402
+from eval.harness import REPO, bench_parser, print_summary, run_info, write_csv
 
 MODES = {
     "tik": dict(unified_kernels=True, tik_kernels="unified", tik_reuse_logprobs=True),
@@ -47,9 +46,8 @@ PHASES = ("rollout", "recompute_logp", "compute_advantage", "train_step", "updat
 
 def prepare_model(name: str, workdir: Path) -> str:
     """A local HF checkpoint dir for ``name`` (converted or written once under ``workdir``)."""
-    from areal_tik.integration.smollm2 import gguf_tokenizer, smollm2_checkpoint
-    from areal_tik.integration.tiny import make_tiny_checkpoint, random_checkpoint
     from areal_tik.model import published_config, smollm2_path
+    from areal_tik.model.checkpoints import gguf_tokenizer, make_tiny_checkpoint, random_checkpoint, smollm2_checkpoint
 
     if name == "smollm2":
         return str(smollm2_checkpoint(workdir / "smollm2-135m-instruct"))
@@ -69,48 +67,49 @@ def prepare_model(name: str, workdir: Path) -> str:
     raise ValueError(f"--model must be one of {MODELS}, got {name!r}")
 
 
-def mode_config(args, mode: str, model_path: str, workdir: Path, cpu: bool) -> dict:
-    """The demo's GRPO config, sized by ``args``, with ``mode``'s actor options."""
-    from areal_tik.integration.demo import grpo_config
+def mode_overrides(args, mode: str, model_path: str, workdir: Path) -> list[str]:
+    """The recipe's overrides for ``mode``: the demo's sizes and paths, then the benchmark's."""
+    from areal_tik.adapter.demo import SHAPED_REWARD, demo_overrides
 
-    instruction = "" if args.model == "tiny" else "Answer with the number only."
-    config = grpo_config(model_path, str(workdir), steps=args.steps, task=args.task, cpu=cpu,
-                         batch_size=args.batch_size, n_samples=args.n_samples,
-                         max_new_tokens=args.max_new_tokens, instruction=instruction)
-    config["experiment_name"] = f"grpo-bench-{args.model}-{mode}"
-    for section in ("rollout", "actor", "saver", "evaluator", "recover", "stats_logger", "perf_tracer"):
-        config[section]["experiment_name"] = config["experiment_name"]
+    tiny = args.model == "tiny"
+    out = demo_overrides(model_path, str(workdir), steps=args.steps, task=args.task, batch_size=args.batch_size,
+                         n_samples=args.n_samples, max_new_tokens=args.max_new_tokens,
+                         instruction="" if tiny else "Answer with the number only.",
+                         reward=SHAPED_REWARD if tiny else None)
     sequences = args.batch_size * args.n_samples
-    config["rollout"].update(tik_max_num_seqs=sequences, max_concurrent_rollouts=sequences,
-                             tik_max_model_len=args.max_model_len)
-    actor = config["actor"]
-    actor.update(MODES[mode], recompute_logprob=True, tik_audit_every=args.audit_every,
-                 tik_audit_sequences=args.audit_sequences, mb_spec={"max_tokens_per_mb": args.max_tokens_per_mb})
-    actor["optimizer"]["lr"] = args.lr
-    actor["weight_update_mode"] = args.weight_update_mode
-    config["rollout"]["tik_engine"] = args.tik_engine
-    return config
+    actor = {**MODES[mode], "recompute_logprob": True, "tik_audit_every": args.audit_every,
+             "tik_audit_sequences": args.audit_sequences, "mb_spec.max_tokens_per_mb": args.max_tokens_per_mb,
+             "optimizer.lr": args.lr, "weight_update_mode": args.weight_update_mode}
+    out += [f"++experiment_name=grpo-bench-{args.model}-{mode}", f"++tik.max_num_seqs={sequences}",
+            f"++tik.max_model_len={args.max_model_len}", f"++rollout.max_concurrent_rollouts={sequences}",
+            f"++rollout.tik_engine={args.tik_engine}"]
+    return out + [f"++actor.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                  for key, value in actor.items()]
+
+
+def recipe_for(model: str) -> Path:
+    from areal_tik.adapter.demo import CPU_RECIPE, GPU_RECIPE, recipe_path
+
+    return recipe_path(CPU_RECIPE if model == "tiny" else GPU_RECIPE)
 
 
 def run_worker(args) -> int:
     """One mode in this process: train, then dump the per-step stats as JSON."""
-    from areal_tik import patches
-    from areal_tik.integration.launch import kernel_environment, spmd_environment
+    from areal_tik.adapter.launch import spmd_environment
+    from areal_tik.runtime import use_interpreter_without_gpu
 
     spmd_environment()
-    kernel_environment()
+    use_interpreter_without_gpu()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "offline")
-    import torch
-
-    from areal_tik.integration.demo import load_config, train
+    from areal_tik.adapter import apply_patches
+    from areal_tik.adapter.demo import load_config, train
 
     workdir = Path(args.workdir)
     mode = args.worker
-    config = mode_config(args, mode, prepare_model(args.model, workdir), workdir / mode,
-                         cpu=not torch.cuda.is_available())
-    with patches.apply("areal"):
-        history, state = train(load_config(config, str(workdir / mode)))
+    overrides = mode_overrides(args, mode, prepare_model(args.model, workdir), workdir / mode)
+    with apply_patches():
+        history, state = train(load_config(recipe_for(args.model), overrides))
     out = Path(args.out) / f"grpo_{args.model}_{mode}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"mode": mode, "model": args.model, "info": run_info(),
@@ -202,8 +201,8 @@ def plot_curves(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, REPO / "eval" / "results" / "local")
     parser.add_argument("--model", default="smollm2", choices=MODELS)
     parser.add_argument("--modes", default="tik,stock")
     parser.add_argument("--steps", type=int, default=20)
@@ -224,10 +223,14 @@ def main(argv=None) -> int:
     parser.add_argument("--audit-every", type=int, default=10)
     parser.add_argument("--audit-sequences", type=int, default=4)
     parser.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "areal-tik-bench-grpo"))
-    parser.add_argument("--out", default=str(REPO / "eval" / "results" / "local"))
     parser.add_argument("--with-existing", action="store_true",
                         help="also summarise the other modes' JSONs already in --out (runs split across calls)")
     parser.add_argument("--worker", default=None, choices=list(MODES), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker:
         return run_worker(args)
@@ -237,10 +240,10 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--modes: unknown mode(s) {unknown}; choose from {list(MODES)}")
     argv = list(sys.argv[1:] if argv is None else argv)
-    from areal_tik.integration.launch import kernel_environment
+    from areal_tik.runtime import use_interpreter_without_gpu
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    kernel_environment(env)  # TRITON_INTERPRET must be set before the worker imports triton
+    use_interpreter_without_gpu(env)  # TRITON_INTERPRET must be set before the worker imports triton
     rows = []
     run_modes = list(modes)
     if args.with_existing:
@@ -258,12 +261,7 @@ def main(argv=None) -> int:
     if not rows:
         return 1
     path = write_csv(rows, args.out, f"grpo_{args.model}.csv")
-    for line in summarize(rows, args.warmup):
-        print(line)
-    print(f"wrote {path}")
-    plot = plot_curves(rows, path.with_suffix(".png"))
-    if plot:
-        print(f"wrote {plot}")
+    print_summary(summarize(rows, args.warmup), [path, plot_curves(rows, path.with_suffix(".png"))])
     return 0 if len({r['mode'] for r in rows}) == len(modes) else 1
 
 

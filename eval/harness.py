@@ -1,6 +1,9 @@
-"""Shared plumbing of the eval/ benchmarks: run metadata and long-format CSV output."""
+"""Shared plumbing of the eval/ benchmarks: the argument parser, run metadata, long-format
+CSV output and the summary printer. Benchmarks run as modules from the repository root
+(``python3 -m eval.<bench>``), so none of them edits ``sys.path``."""
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import math
@@ -12,6 +15,24 @@ import torch
 import triton
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_parser(doc: str, out_default: str | Path | None = None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring's first paragraph as description, and ``--out``
+    (a .csv file or a folder; default ``eval/results``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0].strip())
+    parser.add_argument("--out", default=str(out_default or REPO / "eval" / "results"),
+                        help="CSV file or folder for the results")
+    return parser
+
+
+def print_summary(lines, written: list[Path | None] = ()) -> None:
+    """The summary a benchmark ends with, then the files it wrote."""
+    for line in lines:
+        print(line)
+    for path in written:
+        if path is not None:
+            print(f"wrote {path}")
 
 
 def commit() -> str:

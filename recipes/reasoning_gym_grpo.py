@@ -1,6 +1,6 @@
 """GRPO on a reasoning-gym task (offline data, task's own scorer) with AReaL's PPOTrainer.
 
-    python -m areal_tik.integration.launch recipes/reasoning_gym_grpo.py \
+    areal-tik launch recipes/reasoning_gym_grpo.py \
         --config recipes/chain_sum_grpo_tiny_cpu.yaml [key=value ...]
 
 A stock AReaL script in all but the dataset: the areal-tik flag lives in the YAML.
@@ -10,7 +10,7 @@ import sys
 from areal import PPOTrainer
 from areal.api.cli_args import load_expr_config
 
-from areal_tik.integration.tasks import ReasoningGymGRPOConfig, rl_dataset
+from areal_tik.adapter.tasks import ReasoningGymGRPOConfig, rl_dataset
 
 
 def main(args):

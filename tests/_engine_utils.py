@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from areal_tik.engine import LLM, EngineConfig, GenerationOutput
-from areal_tik.engine import consistency
+from areal_tik import consistency
 from areal_tik.model import UnifiedCausalLM, missing_ops, random_model, tiny_config
 
 VOCAB = 128

@@ -1,4 +1,4 @@
-"""Start ``python -m areal_tik.integration.server`` in its own process for a test."""
+"""Start ``areal-tik serve`` in its own process for a test."""
 from __future__ import annotations
 
 import contextlib
@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import time
+
+from areal_tik.runtime import INTERPRET_ENV
 
 
 @contextlib.contextmanager
@@ -16,8 +18,8 @@ def server_process(model: str, *args: str, timeout: float = 120.0):
 
     port = find_free_ports(1)[0]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_tik.integration.server", "--model", model, "--port", str(port), *args],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [sys.executable, "-m", "areal_tik.cli", "serve", "--model", model, "--port", str(port), *args],
+        env={**os.environ, INTERPRET_ENV: "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -1,13 +1,11 @@
 """Test setup: CPU runs use the Triton interpreter; `-m gpu` runs the contract on CUDA."""
-import os
+from areal_tik.runtime import use_interpreter_without_gpu
 
-import torch
-
-if not torch.cuda.is_available():
-    # Must be set before any kernel module is imported (triton.jit reads it at decoration).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Must run before any kernel module is imported (triton.jit reads it at decoration).
+use_interpreter_without_gpu()
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
@@ -19,7 +17,7 @@ def device():
 def spmd_env(monkeypatch):
     """The environment of a one-process AReaL SPMD run on gloo, as the launcher sets it
     (a free rendezvous port each time), offline."""
-    from areal_tik.integration.launch import spmd_environment
+    from areal_tik.adapter.launch import spmd_environment
 
     for key, value in {**spmd_environment({}), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}.items():
         monkeypatch.setenv(key, value)

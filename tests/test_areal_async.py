@@ -12,12 +12,10 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("areal")
 
-from areal_tik import patches  # noqa: E402
-from areal_tik.integration import demo, reuse  # noqa: E402
-from areal_tik.integration.tiny import make_tiny_checkpoint  # noqa: E402
-from areal_tik.unified_kernels import bits  # noqa: E402
+from areal_tik.adapter import apply_patches, demo, reuse
+from areal_tik.model.checkpoints import make_tiny_checkpoint
+from areal_tik.unified_kernels import bits
 
 WORKFLOW = "areal.workflow.rlvr.RLVRWorkflow"
 
@@ -26,20 +24,21 @@ WORKFLOW = "areal.workflow.rlvr.RLVRWorkflow"
 def setup(tmp_path, spmd_env):
     from areal.api import FinetuneSpec, WeightUpdateMeta
 
-    from areal_tik.integration.actor import TikFSDPPPOActor
-    from areal_tik.integration.inference import TikInferenceEngine
-    from areal_tik.integration.tasks import rl_dataset
+    from areal_tik.adapter.actor import TikFSDPPPOActor
+    from areal_tik.adapter.inference import TikInferenceEngine
+    from areal_tik.adapter.tasks import rl_dataset
 
     model = str(make_tiny_checkpoint(tmp_path / "llama", num_hidden_layers=1))
-    base = demo.grpo_config(model, str(tmp_path), batch_size=2, n_samples=1, max_new_tokens=8)
-    with patches.apply("areal"):
-        config = demo.load_config(base, str(tmp_path), [
+    base = demo.demo_overrides(model, str(tmp_path), steps=3, batch_size=2, n_samples=1, max_new_tokens=8,
+                               task="basic_arithmetic", instruction="")
+    with apply_patches():
+        config = demo.load_config(demo.recipe_path(demo.CPU_RECIPE), base + [
             "actor.use_decoupled_loss=true", "actor.tik_audit_sequences=0",
             "rollout.max_head_offpolicyness=4"])
         actor = TikFSDPPPOActor(config.actor)
         actor.create_process_group()
         actor.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=4, train_batch_size=2))
-        engine = TikInferenceEngine(config.rollout, model_path=model, device="cpu")
+        engine = TikInferenceEngine(config.rollout, model_path=model, device="cpu", engine_config=config.tik)
         engine.initialize(train_data_parallel_size=1)
         actor.connect_engine(engine, WeightUpdateMeta(type="disk"))
         kwargs = dict(reward_fn=config.task.reward, gconfig=config.gconfig, tokenizer=model)
@@ -114,17 +113,17 @@ def test_unsupported_model_keeps_the_stock_forward(tmp_path, spmd_env):
     from areal.api import FinetuneSpec
     from transformers import MistralConfig, MistralForCausalLM
 
-    from areal_tik.integration.actor import TikFSDPPPOActor
-    from areal_tik.integration.tiny import char_tokenizer
+    from areal_tik.adapter.actor import TikFSDPPPOActor
+    from areal_tik.model.checkpoints import char_tokenizer
 
     path = tmp_path / "mistral"
     MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                      sliding_window=32)).save_pretrained(path)
     char_tokenizer().save_pretrained(path)
-    base = demo.grpo_config(str(path), str(tmp_path))
-    with patches.apply("areal"):
-        config = demo.load_config(base, str(tmp_path), ["++actor.attn_impl=sdpa"])
+    base = demo.demo_overrides(str(path), str(tmp_path), steps=1, batch_size=2, n_samples=2, max_new_tokens=4)
+    with apply_patches():
+        config = demo.load_config(demo.recipe_path(demo.CPU_RECIPE), base + ["++actor.attn_impl=sdpa"])
     actor = TikFSDPPPOActor(config.actor)
     actor.create_process_group()
     try:
@@ -146,9 +145,9 @@ def test_right_padded_rows_are_recomputed_to_the_trajectory_length(setup):
     padded = {k: torch.cat([v, torch.zeros((1, 5), dtype=v.dtype)], dim=-1)
               if isinstance(v, torch.Tensor) and v.shape == traj["input_ids"].shape else v
               for k, v in traj.items()}
-    recomputed = actor._recompute_rows([padded], [(0, 0)])[(0, 0)]
+    recomputed = actor.old_logprobs._recompute_rows([padded], [(0, 0)])[(0, 0)]
     assert recomputed.shape == (1, length + 5)
-    alone = actor._recompute_rows([traj], [(0, 0)])[(0, 0)]
+    alone = actor.old_logprobs._recompute_rows([traj], [(0, 0)])[(0, 0)]
     assert torch.equal(bits(recomputed[:, :length]), bits(alone))
     assert torch.equal(recomputed[:, length:], torch.zeros(1, 5))
 

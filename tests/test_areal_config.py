@@ -5,21 +5,28 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("areal")
 
 from areal.api.cli_args import GRPOConfig, PPOActorConfig  # noqa: E402
 
-from areal_tik import patches  # noqa: E402
-from areal_tik.integration.audit import RunState  # noqa: E402
-from areal_tik.integration.config import TikGRPOConfig, TikPPOActorConfig, engine_mode, reuse_refusals  # noqa: E402
-from areal_tik.integration.tasks import ReasoningGymGRPOConfig  # noqa: E402
+from areal_tik.adapter import apply_patches  # noqa: E402
+from areal_tik.adapter.audit import RunState  # noqa: E402
+from areal_tik.adapter.config import (  # noqa: E402
+    ColocatedEngineConfig,
+    TikGRPOConfig,
+    TikPPOActorConfig,
+    engine_mode,
+    reuse_refusals,
+)
+from areal_tik.adapter.tasks import ReasoningGymGRPOConfig  # noqa: E402
+from areal_tik.engine import EngineConfig  # noqa: E402
+from areal_tik.engine.config import attention_kv_tile  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "chain_sum_grpo_tiny_cpu.yaml"
 
 
 @pytest.fixture
 def areal_patches():
-    handle = patches.apply("areal")
+    handle = apply_patches()
     yield handle
     handle.revert()
 
@@ -45,6 +52,32 @@ def test_recipe_loads_with_flag(load):
     assert engine_mode(config) == "inprocess"
     assert config.stats_logger.wandb.mode == "offline"
     assert reuse_refusals(config, vocab_size=256) == []
+    # the tik: block is an EngineConfig: the recipe's values over the colocated defaults
+    assert isinstance(config.tik, EngineConfig)
+    assert (config.tik.max_num_seqs, config.tik.max_model_len, config.tik.cuda_graphs) == (16, 256, False)
+    assert config.tik.gpu_memory_utilization == ColocatedEngineConfig().gpu_memory_utilization == 0.5
+
+
+def test_engine_block_keys_are_engine_config_fields(load):
+    config = load(["++tik.num_kv_blocks=40", "++tik.cuda_graph_sizes=[1,4]", "++tik.seed=3"])
+    assert (config.tik.num_kv_blocks, config.tik.cuda_graph_sizes, config.tik.seed) == (40, (1, 4), 3)
+    with pytest.raises(ValueError, match=r"(?s)unknown key.*'tik.max_num_seq'.*known keys.*'max_num_seqs'"):
+        load(["++tik.max_num_seq=8"])
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        load(["++tik.gpu_memory_utilization=1.5"])
+
+
+def test_kv_block_size_off_the_attention_tile_fails_at_load(load):
+    tile = attention_kv_tile()
+    with pytest.raises(ValueError, match=rf"tik.kv_block_size={tile // 2} .*KV tile \({tile}"):
+        load([f"++tik.kv_block_size={tile // 2}"])
+    assert load([f"++tik.kv_block_size={tile // 2}", "++actor.tik_kernels=standard"]).tik.kv_block_size == tile // 2
+
+
+def test_old_rollout_engine_keys_name_their_new_keys(load):
+    with pytest.raises(ValueError, match=r"rollout.tik_max_num_seqs -> tik.max_num_seqs, "
+                                         r"rollout.tik_cuda_graphs -> tik.cuda_graphs"):
+        load(["++rollout.tik_cuda_graphs=false", "++rollout.tik_max_num_seqs=8"])
 
 
 def test_stock_config_class_is_substituted(areal_patches, tmp_path):
@@ -122,13 +155,14 @@ def test_refused_reuse_keeps_the_recompute(load):
     # AReaL asks for the recompute pass iff should_compute_prox_logp(); the flag removes it
     # only while reuse is active.
     config = load()
-    assert config.actor.should_compute_prox_logp() is True  # no run state yet: stock answer
-    config.actor._tik_state = RunState()
+    assert config.actor.should_compute_prox_logp() is True  # no run linked yet: stock answer
+    config.actor.skip_recompute_while(lambda: RunState().reuse_active)
     assert config.actor.should_compute_prox_logp() is False
-    config.actor._tik_state = RunState(refusals=["top-p sampling"])
+    config.actor.skip_recompute_while(lambda: RunState(refusals=["top-p sampling"]).reuse_active)
     assert config.actor.should_compute_prox_logp() is True
     state = RunState()
-    config.actor._tik_state = state
+    config.actor.skip_recompute_while(lambda: state.reuse_active)
+    assert config.actor.should_compute_prox_logp() is False
     with pytest.warns(RuntimeWarning, match="recomputing old log-probs permanently"):
         state.fall_back("test")
     assert config.actor.should_compute_prox_logp() is True
@@ -137,7 +171,7 @@ def test_refused_reuse_keeps_the_recompute(load):
 def test_non_ppo_config_classes_pass_through():
     from areal.api.cli_args import SFTConfig
 
-    from areal_tik.integration.trainer import tik_config_class
+    from areal_tik.adapter.loader import tik_config_class
 
     assert tik_config_class(SFTConfig) is SFTConfig
     assert tik_config_class(GRPOConfig) is TikGRPOConfig
@@ -148,7 +182,7 @@ def test_non_ppo_config_classes_pass_through():
 def test_sampling_params_follow_gconfig():
     from areal.api.cli_args import GenerationHyperparameters
 
-    from areal_tik.integration.inference import sampling_params
+    from areal_tik.adapter.sampling import sampling_params
 
     g = GenerationHyperparameters(max_new_tokens=8, temperature=0.7, top_p=0.9, stop_token_ids=[2, 0])
     sp = sampling_params(g, 6, vocab_size=256)
@@ -161,6 +195,33 @@ def test_sampling_params_follow_gconfig():
         sampling_params(g.new(min_new_tokens=2), 6, 256)
     with pytest.raises(ValueError, match="n_samples=2"):
         sampling_params(g.new(n_samples=2), 6, 256)
+    with pytest.raises(ValueError, match="does not implement.*stop"):
+        sampling_params(g.new(stop=["\n"]), 6, 256)
+
+
+def test_one_list_of_unsupported_options_for_engine_client_and_server():
+    # The client's JSON goes through the same translation and back through the server's
+    # parser to the same SamplingParams; each UNSUPPORTED option is refused by both ends.
+    from areal.api import ModelRequest
+    from areal.api.cli_args import GenerationHyperparameters
+
+    from areal_tik.adapter import sampling
+    from areal_tik.adapter.client import TikServerBackend
+
+    g = GenerationHyperparameters(max_new_tokens=5, temperature=0.8, top_k=7, stop_token_ids=[3])
+    wire = TikServerBackend().build_generation_request(ModelRequest(input_ids=[1, 2], gconfig=g), False, 0)
+    assert sampling.from_json(wire.payload["sampling_params"], 256) == sampling.sampling_params(g, 5, 256)
+    assert sampling.from_json({"top_k": 10 ** 8}, 256).top_k == 0  # AReaL's "no top-k" default
+    on = {"min_new_tokens": 2, "frequency_penalty": 0.5, "presence_penalty": 0.5, "use_beam_search": True,
+          "stop": ["x"]}
+    assert set(on) == set(sampling.UNSUPPORTED)
+    for name, value in on.items():
+        with pytest.raises(ValueError, match=name):
+            sampling.from_json({name: value}, 256)
+        if hasattr(g, name):
+            with pytest.raises(ValueError, match=name):
+                TikServerBackend().build_generation_request(
+                    ModelRequest(input_ids=[1], gconfig=g.new(**{name: value})), False, 0)
 
 
 def test_server_mode_options(load):
@@ -181,12 +242,12 @@ def test_server_on_the_trainers_gpu_refuses_nccl_weight_updates(load, monkeypatc
 
     import torch
 
-    from areal_tik.integration import trainer as trainer_mod
+    from areal_tik.adapter import trainer as trainer_mod
 
     config = load(["rollout.tik_engine=server", "actor.weight_update_mode=xccl"])
     monkeypatch.setattr(trainer_mod, "_device", lambda: torch.device("cuda", 0))
     launched = []
-    monkeypatch.setattr("areal_tik.integration.remote.TikRemoteInfEngine.launch_local_server",
+    monkeypatch.setattr("areal_tik.adapter.client.TikRemoteInfEngine.launch_local_server",
                         lambda self, args: launched.append(args))
     fake_trainer = types.SimpleNamespace(config=config)
     with pytest.raises(ValueError, match="Duplicate GPU detected"):

@@ -8,18 +8,22 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("areal")
 
-from areal_tik import patches  # noqa: E402
-from areal_tik.integration import launch  # noqa: E402
-from areal_tik.integration.tiny import make_tiny_checkpoint  # noqa: E402
+from areal_tik import patches
+from areal_tik.adapter import apply_patches, launch
+from areal_tik.cli import main
+from areal_tik.model.checkpoints import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_launcher_usage_and_bad_script(tmp_path):
-    assert launch.main(["--help"]) == 0
-    assert launch.main([]) == 2
+def test_launcher_usage_and_bad_script(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["launch", "--help"])
+    assert exc.value.code == 0 and "script_args" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["launch"])
+    assert exc.value.code == 2
     with pytest.raises(FileNotFoundError, match="entry script not found"):
         launch.run_script(str(tmp_path / "missing.py"), [])
     assert patches.active() == []
@@ -28,12 +32,14 @@ def test_launcher_usage_and_bad_script(tmp_path):
 def test_inprocess_engine_needs_spmd_mode(tmp_path, monkeypatch):
     from areal import PPOTrainer
 
-    from areal_tik.integration import demo
+    from areal_tik.adapter import demo
 
     monkeypatch.delenv("AREAL_SPMD_MODE", raising=False)
-    with patches.apply("areal"):
-        config = demo.load_config(demo.grpo_config(str(tmp_path / "none"), str(tmp_path)), str(tmp_path))
-        with pytest.raises(ValueError, match="SPMD mode.*areal_tik.integration.launch"):
+    with apply_patches():
+        overrides = demo.demo_overrides(str(tmp_path / "none"), str(tmp_path), steps=1, batch_size=2,
+                                        n_samples=2, max_new_tokens=4)
+        config = demo.load_config(demo.recipe_path(demo.CPU_RECIPE), overrides)
+        with pytest.raises(ValueError, match="SPMD mode.*areal-tik launch"):
             PPOTrainer(config, train_dataset=None)
 
 
@@ -43,7 +49,7 @@ def test_launcher_runs_the_recipe_script(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("AREAL_SPMD_MODE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "areal_tik.integration.launch", "recipes/reasoning_gym_grpo.py",
+    cmd = [sys.executable, "-m", "areal_tik.cli", "launch", "recipes/reasoning_gym_grpo.py",
            "--config", "recipes/chain_sum_grpo_tiny_cpu.yaml", f"actor.path={model}",
            f"cluster.fileroot={tmp_path}/exp", f"cluster.name_resolve.nfs_record_root={tmp_path}/nr",
            "total_train_steps=1", "train_dataset.batch_size=2", "gconfig.max_new_tokens=4",

@@ -1,4 +1,4 @@
-"""Reuse planning, the bitwise audit, the run state, the patch registry and the launcher env."""
+"""Reuse planning, the bit comparison, the run state, the swap machinery and the launcher env."""
 from __future__ import annotations
 
 import types
@@ -6,12 +6,12 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("areal")
 
-from areal_tik import patches  # noqa: E402
-from areal_tik.integration import reuse  # noqa: E402
-from areal_tik.integration.audit import RunState, compare_bits  # noqa: E402
-from areal_tik.integration.launch import spmd_environment  # noqa: E402
+from areal_tik import patches
+from areal_tik.adapter import patch_list, reuse
+from areal_tik.adapter.audit import RunState
+from areal_tik.adapter.launch import spmd_environment
+from areal_tik.bitwise import compare_bits
 
 
 def trajectory(prompt_len: int, versions: list[int], pad: int = 0, seed: int = 0) -> dict:
@@ -88,22 +88,23 @@ def test_bad_trajectories_are_named():
 def test_compare_bits_passes_on_equal_bits_and_catches_one_ulp():
     a = -torch.rand(7) * 4
     mask = torch.ones(7, dtype=torch.bool)
-    assert compare_bits([a], [a.clone()], [mask]).passed
+    assert compare_bits([a], [a.clone()], [mask]).identical
     flipped = (a.view(torch.int32) ^ 1).view(torch.float32)  # lowest mantissa bit of every value
     b = a.clone()
     b[3] = flipped[3]
     result = compare_bits([a], [b], [mask])
-    assert not result.passed
-    assert (result.n_tokens, result.n_equal) == (7, 6)
+    assert not result.identical
+    assert (result.num_tokens, result.num_identical) == (7, 6)
     assert 0 < result.max_abs_delta < 1e-6
-    assert "scored token 3" in result.first_mismatch
+    assert result.first_mismatch == (0, 3) and result.first_values == (a[3].item(), b[3].item())
     # masked-out positions are not compared
-    assert compare_bits([a], [b], [mask & (torch.arange(7) != 3)]).passed
+    assert compare_bits([a], [b], [mask & (torch.arange(7) != 3)]).identical
+    assert compare_bits([a], [b]).num_tokens == 7  # no masks: every position
 
 
 def test_compare_bits_sees_negative_zero():
     # -0.0 == 0.0 numerically but not bitwise: the audit must not call them equal.
-    assert not compare_bits([torch.tensor([0.0])], [torch.tensor([-0.0])], [torch.tensor([True])]).passed
+    assert not compare_bits([torch.tensor([0.0])], [torch.tensor([-0.0])], [torch.tensor([True])]).identical
 
 
 def test_run_state_audits_and_falls_back_loudly():
@@ -132,14 +133,14 @@ def test_time_saved_is_a_lower_bound_from_the_audit_recompute():
     assert state.seconds_saved == 0.625 and state.tokens_reused == 40
 
 
-def test_patch_registry_applies_reverts_and_nests():
+def test_patch_list_applies_reverts_and_nests():
     import areal.engine
     from areal.trainer.rl_trainer import PPOTrainer
 
     original_actor, original_init = areal.engine.FSDPPPOActor, PPOTrainer.__dict__["_init_rollout"]
-    outer = patches.apply("areal")
+    outer = patch_list.apply()
     assert areal.engine.FSDPPPOActor.__name__ == "TikFSDPPPOActor"
-    inner = patches.apply("areal")
+    inner = patch_list.apply()
     assert patches.active() == ["areal", "areal"]
     with pytest.raises(RuntimeError, match="out of order"):
         outer.revert()
@@ -162,8 +163,9 @@ def test_failed_apply_leaves_nothing_behind():
     with pytest.raises(AttributeError):
         patches.apply_swaps(swaps)
     assert target.a == 1 and patches.active() == []
-    with pytest.raises(ValueError, match="unknown patch set"):
-        patches.apply("vllm")
+    with pytest.raises(TypeError, match="expected a Swap"):
+        patches.apply_swaps([patches.Swap(target, "a", 2), ("a", 3)])
+    assert target.a == 1 and patches.active() == []
 
 
 def test_spmd_environment_defaults_without_overriding():

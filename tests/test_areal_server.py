@@ -12,11 +12,10 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("areal")
-requests = pytest.importorskip("requests")
+import requests  # noqa: E402
 
 from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
-from areal_tik.integration.server import TikServer  # noqa: E402
+from areal_tik.adapter.server import TikServer  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, random_model, tiny_config  # noqa: E402
 
 from ._bits import assert_bitwise  # noqa: E402
@@ -158,7 +157,7 @@ def test_pause_and_continue(served):
 def remote(served):
     from areal.api.cli_args import InferenceEngineConfig
 
-    from areal_tik.integration.remote import TikRemoteInfEngine
+    from areal_tik.adapter.client import TikRemoteInfEngine
 
     llm, url = served
     config = InferenceEngineConfig(experiment_name="tik-server-test", trial_name="t0", setup_timeout=30,
@@ -265,7 +264,7 @@ def test_weight_update_by_broadcast_stages_buckets_then_applies_them_at_once(ser
     from areal.engine.core.distributed import init_custom_process_group
     from areal.utils.network import find_free_ports
 
-    from areal_tik.integration.remote import TikRemoteInfEngine
+    from areal_tik.adapter.client import TikRemoteInfEngine
 
     url = server_process
     engine = TikRemoteInfEngine(InferenceEngineConfig(
@@ -333,7 +332,7 @@ def test_backend_builds_sglang_shaped_weight_requests():
     from areal.api.alloc_mode import ModelAllocation
     from areal.api.io_struct import ParamSpec
 
-    from areal_tik.integration.remote import TikServerBackend
+    from areal_tik.adapter.client import TikServerBackend
 
     backend = TikServerBackend()
     meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d2"),
@@ -351,7 +350,7 @@ def test_backend_builds_sglang_shaped_weight_requests():
 
 
 def test_backend_refuses_what_the_server_cannot_do():
-    from areal_tik.integration.remote import TikServerBackend
+    from areal_tik.adapter.client import TikServerBackend
 
     backend = TikServerBackend()
     with pytest.raises(NotImplementedError, match="LoRA"):

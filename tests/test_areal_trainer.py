@@ -10,11 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("areal")
 
-from areal_tik import patches  # noqa: E402
-from areal_tik.integration import demo, training  # noqa: E402
-from areal_tik.integration.tiny import make_tiny_checkpoint  # noqa: E402
+from areal_tik.adapter import apply_patches, demo, training
+from areal_tik.model.checkpoints import make_tiny_checkpoint
 
 KL_MIN = "ppo_actor/update/compute_logp/kl_div_direct/min"
 KL_MAX = "ppo_actor/update/compute_logp/kl_div_direct/max"
@@ -30,7 +28,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture
 def spmd(spmd_env):
     """One-process SPMD run on gloo with the areal-tik patches, as the launcher sets it up."""
-    with patches.apply("areal"):
+    with apply_patches():
         yield
 
 
@@ -41,9 +39,11 @@ def varied_reward(prompt, completion, prompt_ids, completion_ids, **kwargs) -> f
 
 
 def run(tiny_model, tmp_path, steps, overrides=()):
-    base = demo.grpo_config(tiny_model, str(tmp_path), steps=steps, batch_size=2, n_samples=2,
-                            max_new_tokens=4, reward=f"{__name__}.varied_reward")
-    config = demo.load_config(base, str(tmp_path), list(overrides))
+    """The CPU recipe (tik_audit_every=2, 2 audited sequences) at demo sizes."""
+    base = demo.demo_overrides(tiny_model, str(tmp_path), steps=steps, batch_size=2, n_samples=2,
+                               max_new_tokens=4, task="basic_arithmetic", instruction="",
+                               reward=f"{__name__}.varied_reward")
+    config = demo.load_config(demo.recipe_path(demo.CPU_RECIPE), base + list(overrides))
     return demo.train(config)
 
 
@@ -111,13 +111,13 @@ def test_top_p_refuses_reuse_and_recomputes(spmd, tiny_model, tmp_path):
 @pytest.mark.gpu
 def test_grpo_smollm2_gpu(spmd, tmp_path):
     """SmolLM2-135M-Instruct on a GPU: CUDA-graph decode vs FSDP training forward, 3 steps."""
-    from areal_tik.integration.smollm2 import smollm2_checkpoint
+    from areal_tik.model.checkpoints import smollm2_checkpoint
 
     model = str(smollm2_checkpoint(tmp_path / "smollm2"))
-    base = demo.grpo_config(model, str(tmp_path), steps=3, batch_size=16, n_samples=4, max_new_tokens=96,
-                            cpu=False, instruction="Answer with the number only.",
-                            reward="areal_tik.integration.tasks.reward_fn")
-    config = demo.load_config(base, str(tmp_path), ["actor.tik_audit_every=1", "actor.tik_audit_sequences=16"])
+    base = demo.demo_overrides(model, str(tmp_path), steps=3, batch_size=16, n_samples=4, max_new_tokens=96,
+                               task="basic_arithmetic", reward="areal_tik.adapter.tasks.reward_fn")
+    config = demo.load_config(demo.recipe_path(demo.GPU_RECIPE),
+                              base + ["actor.tik_audit_every=1", "actor.tik_audit_sequences=16"])
     history, state = demo.train(config)
     for step in history:
         assert "timeperf/recompute_logp" not in step

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from areal_tik.engine import SamplingParams
-from areal_tik.engine import consistency
+from areal_tik import consistency
 
 from ._engine_utils import prompts_of, small_engine
 from ._engine_utils import standard  # noqa: F401 - fixture

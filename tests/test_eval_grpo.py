@@ -47,3 +47,22 @@ def test_unknown_mode_is_named(bad, capsys):
     with pytest.raises(SystemExit):
         main(["--modes", bad])
     assert "unknown mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["tik", "stock"])
+def test_each_mode_is_the_shipped_recipe_plus_overrides(mode, tmp_path):
+    # The benchmark loads recipes/*.yaml through AReaL's loader: the engine sizes land in
+    # the tik: block and the mode's actor options in actor, nothing else is copied.
+    from areal_tik.adapter import apply_patches
+    from areal_tik.adapter.demo import load_config
+    from eval.bench_grpo import MODES, build_parser, mode_overrides, recipe_for
+
+    args = build_parser().parse_args(["--model", "tiny", "--batch-size", "3", "--n-samples", "2",
+                                      "--max-model-len", "192", "--steps", "2", "--workdir", str(tmp_path)])
+    with apply_patches():
+        config = load_config(recipe_for("tiny"), mode_overrides(args, mode, str(tmp_path / "m"), tmp_path))
+    assert (config.tik.max_num_seqs, config.tik.max_model_len) == (6, 192)
+    assert config.actor.path == str(tmp_path / "m") and config.total_train_steps == 2
+    assert config.actor.tik_kernels == MODES[mode]["tik_kernels"]
+    assert config.actor.tik_reuse_logprobs is MODES[mode]["tik_reuse_logprobs"]
+    assert config.experiment_name == f"grpo-bench-tiny-{mode}"

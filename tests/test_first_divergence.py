@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_tik.engine.consistency import first_divergence
+from areal_tik.consistency import first_divergence
 from areal_tik.engine.sequence import GenerationOutput
 from areal_tik.model import UnifiedCausalLM
 

@@ -48,7 +48,7 @@ def test_logits_match_transformers(family, tied, kernels):
                       "attention_varlen"))
     hf = tiny_hf(family, tied)
     m = UnifiedCausalLM.from_hf(hf, kernels=kernels)
-    seqs = make_seqs(SEQ_LENS, m.config.vocab)
+    seqs = make_seqs(SEQ_LENS, m.spec.vocab)
     with torch.no_grad():
         h = m.forward_packed(*pack(seqs, m.device))
         logits = F.linear(h, m.lm_head_weight)
@@ -66,13 +66,13 @@ def test_wraps_without_copies():
     assert m.lm_head_weight is hf.lm_head.weight
     tied = UnifiedCausalLM.from_hf(tiny_hf("llama", True), kernels="standard")
     assert tied.lm_head_weight is tied.hf_model.model.embed_tokens.weight
-    assert tied.config.tie_embeddings and not m.config.tie_embeddings
+    assert tied.spec.tie_embeddings and not m.spec.tie_embeddings
 
 
 def test_sees_weight_updates_immediately():
     hf = tiny_hf("qwen2", False, fresh=True)
     m = UnifiedCausalLM.from_hf(hf, kernels="standard")
-    batch = pack(make_seqs((6, 3), m.config.vocab), m.device)
+    batch = pack(make_seqs((6, 3), m.spec.vocab), m.device)
     with torch.no_grad():
         before = m.forward_packed(*batch)
         hf.model.layers[1].mlp.down_proj.weight.mul_(2)
@@ -89,7 +89,7 @@ def _reference_rows(family, tied):
     """(model, sequences, packed-forward rows), cached: both bitwise tests start from them."""
     if (family, tied) not in _REF_ROWS:
         m = UnifiedCausalLM.from_hf(tiny_hf(family, tied), kernels="unified")
-        seqs = make_seqs(SEQ_LENS, m.config.vocab, seed=3)
+        seqs = make_seqs(SEQ_LENS, m.spec.vocab, seed=3)
         _REF_ROWS[(family, tied)] = m, seqs, packed_rows(m, seqs)
     return _REF_ROWS[(family, tied)]
 
@@ -154,7 +154,7 @@ def test_bitwise_check_detects_a_shape_dependent_op():
     require("unified")
     hf = tiny_hf("qwen3", False)
     m = UnifiedCausalLM.from_hf(hf, kernels=_RowCountDependentOps())
-    seqs = make_seqs((9,), m.config.vocab, seed=5)
+    seqs = make_seqs((9,), m.spec.vocab, seed=5)
     ref = packed_rows(m, seqs)
     with torch.no_grad():
         rows = run_rollout(m, seqs, [2], block_size=16)  # decode at batch size 1
@@ -169,8 +169,8 @@ def test_bitwise_check_detects_a_shape_dependent_op():
 def test_train_logprobs_equal_decode_gather_logprobs(family, tied, temperature):
     require("unified")
     m = UnifiedCausalLM.from_hf(tiny_hf(family, tied), kernels="unified")
-    seqs = make_seqs((4, 19, 7), m.config.vocab, seed=6)
-    targets = make_seqs((4, 19, 7), m.config.vocab, seed=7)
+    seqs = make_seqs((4, 19, 7), m.spec.vocab, seed=6)
+    targets = make_seqs((4, 19, 7), m.spec.vocab, seed=7)
     with torch.no_grad():
         decoded = run_rollout(m, seqs, [1, 15, 4], block_size=16, seed=3)
         keys = sorted(decoded)
@@ -249,8 +249,8 @@ def test_grads_reach_hf_parameters_and_match_hf(family, tied, kernels):
     temperature = 0.8
     hf = tiny_hf(family, tied, fresh=True)
     m = UnifiedCausalLM.from_hf(hf, kernels=kernels)
-    seqs = make_seqs((6, 13, 2), m.config.vocab, seed=8)
-    targets = make_seqs((6, 13, 2), m.config.vocab, seed=9)
+    seqs = make_seqs((6, 13, 2), m.spec.vocab, seed=8)
+    targets = make_seqs((6, 13, 2), m.spec.vocab, seed=9)
     g = torch.Generator().manual_seed(10)
     weights = [torch.rand(len(s), generator=g) for s in seqs]
     ids, pos, cu, max_len = pack(seqs, "cpu", pad=3)
@@ -286,9 +286,9 @@ def test_gradient_checkpointing_replays_same_bits(switch):
     hf = tiny_hf("qwen3", False, fresh=True)
     ops = _CountingOps()
     m = UnifiedCausalLM.from_hf(hf, kernels=ops)
-    seqs = make_seqs((7, 11), m.config.vocab, seed=11)
+    seqs = make_seqs((7, 11), m.spec.vocab, seed=11)
     ids, pos, cu, max_len = pack(seqs, "cpu")
-    targets = torch.cat(make_seqs((7, 11), m.config.vocab, seed=12))
+    targets = torch.cat(make_seqs((7, 11), m.spec.vocab, seed=12))
     results, calls = [], []
     for enabled in (False, True):
         if enabled and switch == "model_flag":
@@ -302,7 +302,7 @@ def test_gradient_checkpointing_replays_same_bits(switch):
         lp.sum().backward()
         calls.append(ops.attention_calls)
         results.append((lp.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}))
-    assert calls == [m.config.n_layers, 2 * m.config.n_layers], f"attention calls {calls}: no replay?"
+    assert calls == [m.spec.n_layers, 2 * m.spec.n_layers], f"attention calls {calls}: no replay?"
     assert_bitwise(results[0][0], results[1][0], "log-probs with and without checkpointing")
     for name, grad in results[0][1].items():
         assert_bitwise(grad, results[1][1][name], f"{name} grad, recomputed vs stored activations")

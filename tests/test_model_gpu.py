@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_tik.model import UnifiedCausalLM, published_config, random_model
+from areal_tik.runtime import KERNEL_SETS
 
 from ._bits import assert_bitwise, rel_err
 from ._model_utils import (PagedLayout, assert_rows_equal, hf_logits, make_seqs, pack, packed_rows, prefill_rows,
@@ -24,8 +25,9 @@ from ._model_utils import (PagedLayout, assert_rows_equal, hf_logits, make_seqs,
 
 PUBLISHED = ["Qwen3-0.6B", "Qwen3-1.7B", "Qwen2.5-1.5B", "Llama-3.2-1B"]
 GPU_BLOCK = 64
-# Lengths cross the GPU attention tile (64) and the 2048-position KV split, in prefill
-# and (the 2100-token sequence decodes positions 2040..2099) in decode.
+# Lengths cross the GPU attention tile (64) and the 1024-position KV split, in prefill
+# and (the 2100-token sequence decodes positions 2040..2099, across the split boundary
+# at 2048) in decode.
 GPU_LENS = (1, 77, 300, 2100, 513)
 GPU_PROMPTS = (1, 60, 290, 2040, 500)
 
@@ -44,7 +46,7 @@ def _gpu_model(name):
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_gpu_regimes_bitwise(name):
     m = _gpu_model(name)
-    seqs = make_seqs(GPU_LENS, m.config.vocab, seed=20)
+    seqs = make_seqs(GPU_LENS, m.spec.vocab, seed=20)
     ref = packed_rows(m, seqs)
     order = [3, 0, 4, 2, 1]
     reordered = [seqs[i] for i in order]
@@ -67,8 +69,8 @@ def test_gpu_logprobs_and_hf_agreement(name):
     to an fp32 run of the same HF model as HF's own bf16 logits are (random-init models have
     near-tied top logits, so a fixed argmax threshold would test the init, not the model)."""
     m = _gpu_model(name)
-    seqs = make_seqs((40, 129), m.config.vocab, seed=21)
-    targets = make_seqs((40, 129), m.config.vocab, seed=22)
+    seqs = make_seqs((40, 129), m.spec.vocab, seed=21)
+    targets = make_seqs((40, 129), m.spec.vocab, seed=22)
     temperature = 0.9
     with torch.no_grad():
         rows = run_rollout(m, seqs, [1, 100], block_size=GPU_BLOCK, seed=6)
@@ -93,9 +95,9 @@ def test_gpu_logprobs_and_hf_agreement(name):
 @pytest.mark.gpu
 def test_gpu_autograd_reaches_parameters():
     m = _gpu_model("Qwen3-0.6B")
-    seqs = make_seqs((50, 300), m.config.vocab, seed=24)
+    seqs = make_seqs((50, 300), m.spec.vocab, seed=24)
     ids, pos, cu, max_len = pack(seqs, "cuda", pad=62)
-    targets = torch.cat(make_seqs((50, 300, 62), m.config.vocab, seed=25)).cuda()
+    targets = torch.cat(make_seqs((50, 300, 62), m.spec.vocab, seed=25)).cuda()
     m.hf_model.zero_grad(set_to_none=True)
     lp = m.forward_logprobs(ids, pos, cu, max_len, targets)
     lp[:350].sum().backward()
@@ -106,12 +108,12 @@ def test_gpu_autograd_reaches_parameters():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernels", ["unified", "standard"])
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
 def test_gpu_decode_cuda_graph_replay_bitwise(kernels):
     """Decode captured in a CUDA graph (4 sequences + 1 padding row: slot -1, context 0)
     replays to the eager bits; with the unified kernels those are the packed rows too."""
     m = UnifiedCausalLM.from_hf(_gpu_model("Qwen3-0.6B").hf_model, kernels=kernels)
-    seqs = make_seqs((30, 70, 5, 200), m.config.vocab, seed=23)
+    seqs = make_seqs((30, 70, 5, 200), m.spec.vocab, seed=23)
     prompts = [len(s) - 1 for s in seqs]
     layout = PagedLayout(m, [len(s) for s in seqs], GPU_BLOCK, seed=7)
     ids4 = list(range(4))

@@ -22,44 +22,50 @@ def _check_float(name: str, value) -> float:
     return float(value)
 
 
+def _option(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
-    """Engine sizing. ``max_model_len`` counts prompt plus generated tokens.
+    """The rollout engine's options: the one declaration of each.
 
-    num_kv_blocks:          paged KV blocks (block 0 is reserved as a scratch block for
-                            CUDA-graph padding rows); None measures it: on a GPU, what is
-                            left of ``gpu_memory_utilization`` after a warm-up at maximum
-                            batch; on CPU, ``cpu_kv_cache_bytes`` worth, capped at what
-                            ``max_num_seqs`` sequences of ``max_model_len`` need.
-    max_num_batched_tokens: prompt tokens one prefill step may process (>= max_model_len,
-                            so that a preempted sequence can always be recomputed).
-    cuda_graphs:            capture decode in CUDA graphs per batch-size bucket (GPU only).
-    max_graph_batch_size:   largest captured bucket; bigger decode batches run eagerly.
-    cuda_graph_sizes:       the exact buckets to capture (default: 1, 2, 4, 8, then
-                            multiples of 16 up to max_graph_batch_size).
-    seed:                   derives the sampling key of requests that carry no seed.
-    enable_prefix_caching:  reuse the K/V of full blocks of earlier sequences with the same
-                            token prefix (the n samples of a GRPO prompt, multi-turn
-                            prefixes); dropped on every weight update. Bits are unchanged.
-    prefill_chunk_tokens:   chunked prefill: prompt tokens one step computes, in the same
-                            step as the decode rows (None: whole prompts, in prefill-only
-                            steps). At least ``kv_block_size`` (a multiple of the attention's
-                            KV tile). Bits are unchanged.
+    The command line's and the server's flags (``add_engine_arguments``) and the AReaL
+    YAML's engine block (``areal_tik.adapter.config``) are generated from these fields,
+    so a new option is one field here (with its ``help``) and one check below.
+    ``max_model_len`` counts prompt plus generated tokens. Block 0 of the paged KV cache
+    is reserved as a scratch block for CUDA-graph padding rows.
     """
 
-    max_num_seqs: int = 256
-    max_model_len: int = 4096
-    kv_block_size: int = 64
-    num_kv_blocks: int | None = None
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 1 << 30
-    cuda_graphs: bool = True
-    max_graph_batch_size: int | None = None
-    cuda_graph_sizes: tuple[int, ...] | None = None
-    seed: int = 0
-    enable_prefix_caching: bool = False
-    prefill_chunk_tokens: int | None = None
+    max_num_seqs: int = _option(256, "Sequences decoded at once.")
+    max_model_len: int = _option(4096, "Prompt plus generated tokens of one sequence.")
+    kv_block_size: int = _option(
+        64, "Tokens per paged KV block: a power of two, and for the unified kernels a multiple "
+            "of the attention kernel's KV tile (64 on a GPU, 16 under the Triton interpreter).")
+    num_kv_blocks: int | None = _option(
+        None, "Paged KV blocks; None measures them: on a GPU what is left of "
+              "gpu_memory_utilization after a warm-up at maximum batch, on CPU cpu_kv_cache_bytes "
+              "worth, capped at what max_num_seqs sequences of max_model_len need.")
+    max_num_batched_tokens: int | None = _option(
+        None, "Prompt tokens one prefill step may process (>= max_model_len, so that a preempted "
+              "sequence can always be recomputed); None: max(max_model_len, 8192).")
+    gpu_memory_utilization: float = _option(
+        0.9, "GPU memory fraction the process may reach once the KV cache is allocated.")
+    cpu_kv_cache_bytes: int = _option(1 << 30, "KV cache bytes on CPU when num_kv_blocks is None.")
+    cuda_graphs: bool = _option(True, "Capture decode in CUDA graphs per batch-size bucket (GPU only).")
+    max_graph_batch_size: int | None = _option(
+        None, "Largest captured bucket; bigger decode batches run eagerly (None: min(max_num_seqs, 512)).")
+    cuda_graph_sizes: tuple[int, ...] | None = _option(
+        None, "The exact buckets to capture (None: 1, 2, 4, 8, then multiples of 16 up to "
+              "max_graph_batch_size).")
+    seed: int = _option(0, "Derives the sampling key of requests that carry no seed.")
+    enable_prefix_caching: bool = _option(
+        False, "Reuse the K/V of full blocks of earlier sequences with the same token prefix (the n "
+               "samples of a GRPO prompt, multi-turn prefixes); dropped on every weight update. "
+               "Bits are unchanged.")
+    prefill_chunk_tokens: int | None = _option(
+        None, "Chunked prefill: prompt tokens one step computes, in the same step as the decode rows "
+              "(None: whole prompts, in prefill-only steps). At least kv_block_size. Bits are unchanged.")
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -112,6 +118,29 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.kv_block_size)
+
+    def check_kernels(self, kernels: str) -> None:
+        """ValueError unless ``kv_block_size`` fits ``kernels``' attention: the unified
+        decode kernel reads the paged cache in KV tiles that must not straddle a block.
+        (The standard ops gather pages with torch and take any block size.)"""
+        if kernels != "unified":
+            return
+        tile = attention_kv_tile()
+        if self.kv_block_size % tile:
+            raise ValueError(
+                f"kv_block_size={self.kv_block_size} is not a multiple of the unified attention "
+                f"kernel's KV tile ({tile} on this backend): use a multiple of {tile}")
+
+
+def attention_kv_tile() -> int:
+    """The unified attention kernel's KV tile (``BLOCK_N``) on this backend.
+
+    Imported when asked, not with this module: importing a kernel module decides
+    interpreter vs GPU for the process (see ``areal_tik.runtime``), and flags and YAML
+    blocks are generated from this module before that decision."""
+    from areal_tik.unified_kernels import _attention_fwd
+
+    return _attention_fwd.default_config().block_n
 
 
 @dataclass(frozen=True)

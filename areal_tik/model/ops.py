@@ -25,6 +25,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from areal_tik.runtime import KERNEL_SETS
 from areal_tik.unified_kernels import reference
 
 OP_NAMES = (
@@ -32,7 +33,6 @@ OP_NAMES = (
     "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
     "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
 )
-KINDS = ("unified", "standard")
 _KERNEL_PACKAGE = "areal_tik.unified_kernels"
 
 
@@ -319,7 +319,7 @@ def get_ops(kind="unified"):
             return UnifiedOps()
         if kind == "standard":
             return _standard_ops()
-        raise ValueError(f"kernels must be one of {KINDS} or an ops object, got {kind!r}")
+        raise ValueError(f"kernels must be one of {KERNEL_SETS} or an ops object, got {kind!r}")
     if isinstance(kind, UnifiedOps):
         return kind
     missing = [n for n in (*OP_NAMES, "kind") if n not in dir(kind)]

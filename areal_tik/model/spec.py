@@ -1,7 +1,8 @@
 """ModelSpec: the shape and numerics of a supported decoder, read from a Hugging Face config.
 
 One generic decoder implementation serves every supported family; the families differ
-only in flags read here (biases come from the modules themselves at call time):
+only in the flags of their row in ``SUPPORTED_FAMILIES`` (biases come from the modules
+themselves at call time):
 
 - ``qwen2`` (Qwen2, Qwen2.5): q/k/v projections with bias.
 - ``qwen3``: per-head RMSNorm on q and k (over head_dim) before rope.
@@ -17,17 +18,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-# family -> (model_type, the transformers *ForCausalLM class name, what it covers)
-SUPPORTED_FAMILIES: dict[str, tuple[str, str, str]] = {
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", "Qwen2 / Qwen2.5 (q/k/v bias)"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3 dense (q/k RMSNorm)"),
-    "llama": ("llama", "LlamaForCausalLM", "Llama 3.x, SmolLM2 (default or llama3 rope)"),
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One supported model family: how to recognise it and the flags the decoder reads."""
+
+    model_type: str      # transformers' config.model_type
+    architecture: str    # the *ForCausalLM class name
+    description: str
+    qkv_bias: bool       # q/k/v projections always carry a bias (else: config.attention_bias)
+    qk_norm: bool        # RMSNorm over head_dim on q and k before rope
+
+
+# A new dense decoder family is one row here (plus its tiny config in loading.py).
+SUPPORTED_FAMILIES: dict[str, Family] = {
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", "Qwen2 / Qwen2.5 (q/k/v bias)", qkv_bias=True, qk_norm=False),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", "Qwen3 dense (q/k RMSNorm)", qkv_bias=False, qk_norm=True),
+    "llama": Family("llama", "LlamaForCausalLM", "Llama 3.x, SmolLM2 (default or llama3 rope)",
+                    qkv_bias=False, qk_norm=False),
 }
 _ROPE_TYPES = ("default", "llama3")
 
 
 def supported_families_text() -> str:
-    return "; ".join(f"{fam}: {desc} [{arch}]" for fam, (_, arch, desc) in SUPPORTED_FAMILIES.items())
+    return "; ".join(f"{name}: {f.description} [{f.architecture}]" for name, f in SUPPORTED_FAMILIES.items())
+
+
+def family_of_model_type(model_type) -> str | None:
+    """The family whose row has ``model_type``, or None."""
+    return next((name for name, f in SUPPORTED_FAMILIES.items() if f.model_type == model_type), None)
 
 
 def _unsupported(config, why: str) -> ValueError:
@@ -40,11 +58,11 @@ def _unsupported(config, why: str) -> ValueError:
 def detect_family(config) -> str:
     """The family name of a transformers config; ValueError for anything unsupported."""
     model_type = getattr(config, "model_type", None)
-    family = next((f for f, (mt, _, _) in SUPPORTED_FAMILIES.items() if mt == model_type), None)
+    family = family_of_model_type(model_type)
     if family is None:
         raise _unsupported(config, f"model_type {model_type!r} is not a supported family")
     archs = getattr(config, "architectures", None) or []
-    expected = SUPPORTED_FAMILIES[family][1]
+    expected = SUPPORTED_FAMILIES[family].architecture
     wrong = [a for a in archs if a != expected]
     if wrong:
         raise _unsupported(config, f"architectures {archs!r}: only {expected!r} is supported for {family}")
@@ -150,11 +168,12 @@ class ModelSpec:
     def from_hf_config(cls, config: Any) -> "ModelSpec":
         """Read a transformers config; ValueError (listing supported families) otherwise."""
         family = detect_family(config)
+        row = SUPPORTED_FAMILIES[family]
         _check_features(config)
         theta, scaling = rope_parameters(config)
         n_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-        qkv_bias = family == "qwen2" or bool(getattr(config, "attention_bias", False))
+        qkv_bias = row.qkv_bias or bool(getattr(config, "attention_bias", False))
         return cls(
             family=family,
             hidden=config.hidden_size,
@@ -168,7 +187,7 @@ class ModelSpec:
             rope_theta=theta,
             rope_scaling=scaling,
             max_positions=config.max_position_embeddings,
-            qk_norm=family == "qwen3",
+            qk_norm=row.qk_norm,
             qkv_bias=qkv_bias,
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )

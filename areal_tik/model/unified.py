@@ -67,7 +67,7 @@ class UnifiedCausalLM:
 
     def __init__(self, hf_model: torch.nn.Module, kernels="unified"):
         self.hf_model = hf_model
-        self.config = ModelSpec.from_hf_config(hf_model.config)
+        self.spec = ModelSpec.from_hf_config(hf_model.config)
         self.ops = get_ops(kernels)
         self.kernels = self.ops.kind
         self.gradient_checkpointing = False
@@ -75,6 +75,12 @@ class UnifiedCausalLM:
         self._check_modules()
         if self.device.type != "meta":
             self.rope_tables(self.device)  # built now, not inside a CUDA-graph capture
+
+    @property
+    def config(self) -> ModelSpec:
+        """Alias of ``spec`` (the model's shapes and numerics, not a transformers config),
+        kept while the engine still reads ``model.config``."""
+        return self.spec
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, kernels="unified") -> "UnifiedCausalLM":
@@ -88,17 +94,17 @@ class UnifiedCausalLM:
         return cls(load_hf_model(path, dtype=dtype, device=device), kernels)
 
     def __repr__(self):
-        return f"UnifiedCausalLM(family={self.config.family!r}, kernels={self.kernels!r}, dtype={self.dtype})"
+        return f"UnifiedCausalLM(family={self.spec.family!r}, kernels={self.kernels!r}, dtype={self.dtype})"
 
     # ------------------------------------------------------------------ modules
 
     def _check_modules(self) -> None:
         base = self._base
-        if len(base.layers) != self.config.n_layers:
-            raise ValueError(f"hf_model has {len(base.layers)} layers, config says {self.config.n_layers}")
+        if len(base.layers) != self.spec.n_layers:
+            raise ValueError(f"hf_model has {len(base.layers)} layers, config says {self.spec.n_layers}")
         attn = base.layers[0].self_attn
-        if self.config.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
-            raise ValueError(f"{self.config.family} attention must have q_norm and k_norm modules")
+        if self.spec.qk_norm and not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm")):
+            raise ValueError(f"{self.spec.family} attention must have q_norm and k_norm modules")
 
     @property
     def _base(self):
@@ -127,21 +133,21 @@ class UnifiedCausalLM:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._rope:
-            spec = self.config
+            spec = self.spec
             self._rope[device] = self.ops.rope_cos_sin(
                 spec.max_positions, spec.head_dim, spec.rope_theta, spec.rope_scaling, device)
         return self._rope[device]
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype=None, device=None, zero=False) -> KVCache:
         """A paged cache for this model: k, v ``[n_layers, num_blocks, block_size, Hk, D]``."""
-        spec = self.config
+        spec = self.spec
         return KVCache.allocate(spec.n_layers, num_blocks, block_size, spec.n_kv_heads, spec.head_dim,
                                 dtype=dtype or self.dtype, device=device or self.device, zero=zero)
 
     # ------------------------------------------------------------------ the stack
 
     def _layer_fn(self, layer, positions, cos, sin, attend):
-        ops, spec = self.ops, self.config
+        ops, spec = self.ops, self.spec
 
         def run(delta, residual):
             return decoder_layer(ops, spec, layer, delta, residual, positions, cos, sin, attend)
@@ -173,7 +179,7 @@ class UnifiedCausalLM:
         return delta, residual
 
     def _final_norm(self, delta, residual):
-        return self.ops.add_rms_norm(delta, residual, self._base.norm.weight, self.config.eps)[0]
+        return self.ops.add_rms_norm(delta, residual, self._base.norm.weight, self.spec.eps)[0]
 
     # ------------------------------------------------------------------ entry points
 
@@ -198,7 +204,7 @@ class UnifiedCausalLM:
         return _call_as_forward(self.hf_model, body, input_ids, positions, targets)
 
     def _packed_body(self, cu_seqlens, max_seqlen):
-        ops, scale = self.ops, self.config.softmax_scale
+        ops, scale = self.ops, self.spec.softmax_scale
 
         def attend_for(index):
             # Metadata checks read tensors on the host: once per forward is enough.
@@ -224,7 +230,7 @@ class UnifiedCausalLM:
         _check_int("logits_indices", logits_indices, 1)
         if (block_tables is None) != (query_starts is None):
             raise ValueError("block_tables and query_starts must be given together")
-        ops, scale = self.ops, self.config.softmax_scale
+        ops, scale = self.ops, self.spec.softmax_scale
 
         def attend_for(index):
             k_cache, v_cache = cache.layer(index)
@@ -251,7 +257,7 @@ class UnifiedCausalLM:
         _check_int("slot_mapping", slot_mapping, 1)
         _check_int("block_tables", block_tables, 2, (torch.int32,))
         _check_int("context_lens", context_lens, 1, (torch.int32,))
-        ops, scale = self.ops, self.config.softmax_scale
+        ops, scale = self.ops, self.spec.softmax_scale
 
         def attend_for(index):
             k_cache, v_cache = cache.layer(index)

@@ -166,7 +166,7 @@ def _probe_graph_replay(ops, device, q, kc, vc, bt, cl, eager) -> Check:
 def probe_model(ops, device, sizes: ProbeSizes) -> list[Check]:
     """A tiny random model: engine rollout (graphs on a GPU) vs the packed training forward."""
     from areal_tik.engine import LLM, EngineConfig, SamplingParams
-    from areal_tik.engine import consistency
+    from areal_tik import consistency
     from areal_tik.model import UnifiedCausalLM, random_model, tiny_config
 
     model = UnifiedCausalLM.from_hf(random_model(tiny_config("qwen3", **sizes.model), device=device, seed=0),

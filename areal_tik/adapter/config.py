@@ -13,18 +13,27 @@ YAML (loaded by AReaL's own ``load_expr_config``; unknown keys still raise)::
       backend: "sglang:d1"         # AReaL's parser needs an inference backend name; with
       tik_engine: auto             # tik_engine auto/inprocess the areal-tik engine serves it;
                                    # "server": areal-tik servers driven by AReaL's RemoteInfEngine
+    tik:                           # the areal-tik rollout engine, as AReaL has sglang: / vllm:
+      max_num_seqs: 64             # keys: the fields of areal_tik.engine.EngineConfig
+      gpu_memory_utilization: 0.5
     stats_logger:
       wandb: {mode: offline}       # offline is the default here
 
-``validate(config)`` raises ``ValueError`` for combinations that cannot run;
-``reuse_refusals(config, vocab_size)`` lists why log-prob reuse would not be exact
-(reuse is then refused, recompute is used, and the reasons are logged).
+The ``tik`` block is ``ColocatedEngineConfig``: ``EngineConfig`` itself, with the
+defaults of an engine that shares its GPU with the trainer; a field added to
+``EngineConfig`` is a key of the block with no edit here. ``validate(config)`` raises
+``ValueError`` for combinations that cannot run (the KV block size against the
+attention tile included); ``reuse_refusals(config, vocab_size)`` lists why log-prob
+reuse would not be exact (reuse is then refused, recompute is used, and the reasons are
+logged).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from areal.api.alloc_mode import ModelAllocation
+from collections.abc import Callable
+
 from areal.api.cli_args import (
     GRPOConfig,
     InferenceEngineConfig,
@@ -34,8 +43,10 @@ from areal.api.cli_args import (
     WandBConfig,
 )
 
+from areal_tik.engine.config import EngineConfig
+from areal_tik.runtime import KERNEL_SETS
+
 TIK_ENGINE_MODES = ("auto", "inprocess", "server", "off")
-TIK_KERNELS = ("unified", "standard")
 
 
 @dataclass
@@ -61,7 +72,7 @@ class TikPPOActorConfig(PPOActorConfig):
         default="unified",
         metadata={"help": "Kernel set of the areal-tik model: 'unified' or 'standard' "
                           "(stock ops on the same code path; never reused).",
-                  "choices": list(TIK_KERNELS)})
+                  "choices": list(KERNEL_SETS)})
 
     def __post_init__(self):
         super().__post_init__()
@@ -71,15 +82,21 @@ class TikPPOActorConfig(PPOActorConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"actor.{name} must be an int >= 0, got {value!r}")
-        if self.tik_kernels not in TIK_KERNELS:
-            raise ValueError(f"actor.tik_kernels must be one of {TIK_KERNELS}, got {self.tik_kernels!r}")
+        if self.tik_kernels not in KERNEL_SETS:
+            raise ValueError(f"actor.tik_kernels must be one of {KERNEL_SETS}, got {self.tik_kernels!r}")
         if self.unified_kernels:
             _validate_actor(self)
 
+    def skip_recompute_while(self, reusing: Callable[[], bool] | None) -> None:
+        """Link AReaL's recompute switch to a run: while ``reusing()`` is true the rollout
+        log-probs stand in for the recompute pass. The actor calls this once it knows
+        whether it reuses; the config keeps the question, never the run's state."""
+        self._reusing = reusing
+
     def should_compute_prox_logp(self) -> bool:
         """AReaL's switch for the recompute pass; False while reuse stands in for it."""
-        state = getattr(self, "_tik_state", None)
-        if state is not None and state.reuse_active:
+        reusing = getattr(self, "_reusing", None)
+        if reusing is not None and reusing():
             return False
         return super().should_compute_prox_logp()
 
@@ -90,7 +107,7 @@ class TikPPOActorConfig(PPOActorConfig):
 
 @dataclass
 class TikInferenceEngineConfig(InferenceEngineConfig):
-    """InferenceEngineConfig plus the in-process areal-tik engine's sizing."""
+    """InferenceEngineConfig plus where the areal-tik engine runs (its options: ``tik:``)."""
 
     tik_engine: str = field(
         default="auto",
@@ -105,18 +122,6 @@ class TikInferenceEngineConfig(InferenceEngineConfig):
         default=None,
         metadata={"help": "tik_engine='server': 'host:port' of running areal-tik servers; None "
                           "launches one per training process on its device."})
-    tik_max_num_seqs: int = field(default=64, metadata={"help": "Sequences decoded at once."})
-    tik_max_model_len: int = field(default=4096, metadata={"help": "Prompt plus output tokens."})
-    tik_kv_block_size: int = field(
-        default=64, metadata={"help": "Paged KV block size (a multiple of the GPU attention KV tile, 64)."})
-    tik_num_kv_blocks: int | None = field(
-        default=None, metadata={"help": "KV blocks; None measures what fits."})
-    tik_cuda_graphs: bool = field(default=True, metadata={"help": "Capture decode in CUDA graphs."})
-    tik_gpu_memory_utilization: float = field(
-        default=0.5,
-        metadata={"help": "GPU memory fraction the process may reach once the engine's KV cache is "
-                          "allocated (the trainer shares the GPU, so lower than a standalone engine)."})
-    tik_seed: int = field(default=0, metadata={"help": "Seed of the engine's sampling keys."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -127,12 +132,19 @@ class TikInferenceEngineConfig(InferenceEngineConfig):
                 raise ValueError("rollout.tik_server_addrs must be a non-empty list of 'host:port', "
                                  f"got {self.tik_server_addrs!r}")
             self.tik_server_addrs = addrs
-        if not 0 < self.tik_gpu_memory_utilization <= 1:
-            raise ValueError("rollout.tik_gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.tik_gpu_memory_utilization!r}")
         if self.tik_engine not in TIK_ENGINE_MODES:
             raise ValueError(
                 f"rollout.tik_engine must be one of {TIK_ENGINE_MODES}, got {self.tik_engine!r}")
+
+
+@dataclass
+class ColocatedEngineConfig(EngineConfig):
+    """The ``tik:`` block: ``EngineConfig`` with the defaults of an engine colocated with
+    the trainer (the one place they are set). The trainer shares the GPU, so fewer
+    sequences and a lower memory fraction than a standalone engine's 256 / 0.9."""
+
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.5
 
 
 @dataclass
@@ -155,6 +167,7 @@ class TikPPOConfig(PPOConfig):
     actor: TikPPOActorConfig = field(default_factory=TikPPOActorConfig)
     ref: TikPPOActorConfig | None = field(default=None)  # ref.unified_kernels: its logp on the kernels too
     rollout: TikInferenceEngineConfig = field(default_factory=TikInferenceEngineConfig)
+    tik: ColocatedEngineConfig = field(default_factory=ColocatedEngineConfig)
     stats_logger: TikStatsLoggerConfig = field(default_factory=TikStatsLoggerConfig)
 
     def __post_init__(self):
@@ -203,6 +216,11 @@ def engine_mode(config: TikPPOConfig) -> str:
 def validate(config: TikPPOConfig) -> None:
     """Raise ValueError for option combinations that cannot run."""
     mode = engine_mode(config)
+    if mode in ("inprocess", "server"):
+        try:
+            config.tik.check_kernels(config.actor.tik_kernels)
+        except ValueError as exc:
+            raise ValueError(f"tik.{exc}") from None
     if mode == "server":
         if not config.actor.unified_kernels:
             raise ValueError("rollout.tik_engine='server' needs actor.unified_kernels=true")

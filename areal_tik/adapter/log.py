@@ -1,4 +1,4 @@
-"""The integration's logger, made through AReaL's ``getLogger`` (AReaL rebuilds the logging
+"""The adapter's logger, made through AReaL's ``getLogger`` (AReaL rebuilds the logging
 tree whenever it creates a logger, which silences loggers made the standard way)."""
 from areal.utils import logging as areal_logging
 

@@ -3,7 +3,7 @@
 ``rl_dataset(TaskConfig(name="chain_sum", size=64))`` gives a ``datasets.Dataset`` whose
 rows carry ``messages`` (what ``RLVRWorkflow`` turns into a prompt), ``answer`` and the
 JSON-encoded reasoning-gym entry; ``reward_fn`` (pass it to RLVRWorkflow as
-``"areal_tik.integration.tasks.reward_fn"``) scores a completion with that task's
+``"areal_tik.adapter.tasks.reward_fn"``) scores a completion with that task's
 ``score_answer``. Everything is generated offline.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ class TaskConfig:
     eval_size: int = field(default=0, metadata={"help": "Held-out items (0: no validation set)."})
     params: dict = field(default_factory=dict, metadata={"help": "Task options (e.g. num_terms)."})
     instruction: str = field(default=INSTRUCTION, metadata={"help": "Appended to each question."})
-    reward: str = field(default="areal_tik.integration.tasks.reward_fn",
+    reward: str = field(default="areal_tik.adapter.tasks.reward_fn",
                         metadata={"help": "RLVRWorkflow reward_fn import path."})
 
     def __post_init__(self):

@@ -1,4 +1,4 @@
-"""The ``"areal"`` patch set: the areal-tik actor, rollout engine hook and config loader.
+"""The AReaL patch list: the areal-tik actor, rollout engine hook and config loader.
 
 Swapped attributes (AReaL itself is not modified or forked):
 
@@ -7,11 +7,17 @@ Swapped attributes (AReaL itself is not modified or forked):
 - ``PPOTrainer.__init__`` and ``PPOTrainer._init_rollout`` -> wrappers that add the
   in-process areal-tik engine and the reuse checks (stock behaviour without the flag);
 - ``areal.api.cli_args.load_expr_config`` -> a wrapper that loads the areal-tik config
-  subclasses for stock scripts asking for ``GRPOConfig``/``PPOConfig``.
+  classes for stock scripts asking for ``GRPOConfig``/``PPOConfig`` and names old or
+  unknown areal-tik keys.
+
+``apply()`` installs them all (or none) through the generic, nest-safe swap machinery
+of ``areal_tik.patches`` and returns the handle whose ``revert()`` undoes them.
 """
 from __future__ import annotations
 
-from . import Swap
+from areal_tik.patches import PatchHandle, Swap, apply_swaps
+
+NAME = "areal"
 
 
 def swaps() -> list[Swap]:
@@ -19,8 +25,9 @@ def swaps() -> list[Swap]:
     import areal.engine as areal_engine
     from areal.trainer.rl_trainer import PPOTrainer
 
-    from areal_tik.integration.actor import TikFSDPPPOActor
-    from areal_tik.integration.trainer import wrap_init_rollout, wrap_load_expr_config, wrap_trainer_init
+    from .actor import TikFSDPPPOActor
+    from .loader import wrap_load_expr_config
+    from .trainer import wrap_init_rollout, wrap_trainer_init
 
     return [
         Swap(areal_engine, "FSDPPPOActor", TikFSDPPPOActor),
@@ -28,3 +35,8 @@ def swaps() -> list[Swap]:
         Swap(PPOTrainer, "_init_rollout", wrap_init_rollout(PPOTrainer._init_rollout)),
         Swap(cli_args, "load_expr_config", wrap_load_expr_config(cli_args.load_expr_config)),
     ]
+
+
+def apply() -> PatchHandle:
+    """Install the AReaL patch list; ``handle.revert()`` (or ``with``) undoes it."""
+    return apply_swaps(swaps(), name=NAME)

@@ -1,5 +1,6 @@
-"""TikFSDPPPOActor: AReaL's FSDP PPO actor with the unified training forward, log-prob
-reuse, the bitwise audit and in-process weight sync.
+"""TikFSDPPPOActor: AReaL's FSDP PPO actor with the unified training forward, in-process
+weight sync, and the hooks that hand each rollout batch to ``old_logprobs`` (reuse, the
+bitwise audit and fallback live there, not here).
 
 With ``actor.unified_kernels`` off it is exactly ``FSDPPPOActor`` (every override starts
 by deferring to it), so one class can stand in for AReaL's everywhere (the ref model too).
@@ -7,7 +8,6 @@ by deferring to it), so one class can stand in for AReaL's everywhere (the ref m
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 import torch
@@ -17,13 +17,16 @@ from areal.infra.platforms import current_platform
 from areal.utils import stats_tracker
 from torch import distributed as dist
 
+from areal_tik.bitwise import compare_bits
 from areal_tik.unified_kernels._common import interpreting
 
-from . import reuse
-from .audit import AuditResult, RunState, compare_bits
+from .audit import RunState
 from .config import actor_refusals
 from .log import logger
-from .training import TikOutput, packed_logprobs
+from .old_logprobs import OldLogprobs
+from .training import TikOutput, micro_batch_logprobs
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def log_tik_stats(**values: float) -> None:
@@ -49,13 +52,18 @@ class TikFSDPPPOActor(FSDPPPOActor):
     def __init__(self, config):
         super().__init__(config)
         self.tik_model = None
-        self.tik_state: RunState | None = None
+        self.old_logprobs: OldLogprobs | None = None
         self._tik_first_minibatch = False
 
     @property
     def tik_flag(self) -> bool:
         """``actor.unified_kernels`` as configured."""
         return bool(getattr(self.config, "unified_kernels", False))
+
+    @property
+    def tik_state(self) -> RunState | None:
+        """The run's reuse / audit state (None without the flag)."""
+        return None if self.old_logprobs is None else self.old_logprobs.state
 
     @property
     def tik_enabled(self) -> bool:
@@ -101,8 +109,9 @@ class TikFSDPPPOActor(FSDPPPOActor):
             refusals.append(f"the unified kernels do not support this model ({exc}); the actor runs "
                             "AReaL's stock forward")
         refusals += actor_refusals(self.config)
-        self.tik_state = RunState(audit_every=self.config.tik_audit_every)
-        self.config._tik_state = self.tik_state  # read by should_compute_prox_logp()
+        self.old_logprobs = OldLogprobs(RunState(audit_every=self.config.tik_audit_every), self._recompute,
+                                        self._all_reduce, audit_sequences=self.config.tik_audit_sequences)
+        self.config.skip_recompute_while(lambda: self.old_logprobs.reuse_active)
         self.tik_refuse(refusals)
         if self.tik_model is not None:
             logger.info("areal-tik: actor forward runs %r", self.tik_model)
@@ -159,7 +168,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         with self._exclusive_kernels():
             for mb_item in mb_list:
                 inputs, ctx = self._prepare_mb_inputs(mb_item)
-                out = packed_logprobs(self.tik_model, inputs, self.config.temperature,
+                out = micro_batch_logprobs(self.tik_model, inputs, self.config.temperature,
                                       return_entropy=not forward_only, pad_length=ctx.pad_length)
                 loss = process_output_fn(out, ctx.to_dict())
                 if not forward_only and loss is not None:
@@ -219,95 +228,31 @@ class TikFSDPPPOActor(FSDPPPOActor):
         reference = mb["prox_logp"] if mb.get("prox_logp") is not None else mb["logprobs"]
         mask = mb["loss_mask"].bool().reshape(-1)
         result = compare_bits([reference.reshape(-1)], [logprobs.reshape(-1)], [mask])
-        log_tik_stats(first_minibatch_exact_fraction=result.bitwise_fraction,
+        log_tik_stats(first_minibatch_exact_fraction=result.fraction_identical,
                       first_minibatch_max_abs_log_ratio=result.max_abs_delta)
-        self.tik_state.first_minibatch_exact.append(result.bitwise_fraction)
+        self.tik_state.first_minibatch_exact.append(result.fraction_identical)
 
-    # ------------------------------------------------------------------ reuse and audit
+    # ------------------------------------------------------------------ old log-probs
 
     def _recompute(self, batch: list[dict]) -> list[torch.Tensor]:
         """AReaL's own recompute (``PPOActor.compute_logp``, our training forward) on ``batch``."""
-        return self.actor.compute_logp(batch)
+        out = self.actor.compute_logp(batch)
+        current_platform.synchronize()  # so that old_logprobs times the forward, not its launch
+        return out
 
-    def _recompute_rows(self, batch: list[dict], rows: list[tuple[int, int]]) -> dict:
-        """One recompute over the sequences ``rows``; times it for the savings estimate."""
-        if not rows:
-            return {}
-        sample = reuse.row_batch(batch, rows)
-        start = time.perf_counter()
-        out = self._recompute(sample)
-        current_platform.synchronize()
-        tokens = sum(int(t["attention_mask"].sum()) for t in sample)
-        self.tik_state.recompute_timing = (time.perf_counter() - start, tokens)
-        return {(i, r): reuse.fit_row(values, batch[i], r) for (i, r), values in zip(rows, out)}
-
-    def _all_reduce(self, values: list[float], op) -> list[float]:
+    def _all_reduce(self, values: list[float], op: str) -> list[float]:
         """Reduce over the training processes (gloo), so every rank takes the same branch
         and issues the same FSDP collectives."""
         if not dist.is_initialized() or dist.get_world_size(self.cpu_group) == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=self.cpu_group)
+        dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.cpu_group)
         return t.tolist()
 
-    def _audit(self, batch: list[dict], rows, recomputed: dict, version: int) -> AuditResult:
-        """Bit comparison on this rank's sample, summed over all ranks (one verdict for all)."""
-        sample = reuse.row_batch(batch, rows)
-        local = compare_bits([reuse.reused_logprobs(t)[0] for t in sample], [recomputed[r][0] for r in rows],
-                             [reuse.fresh_mask(t, version)[0] for t in sample])
-        n_tokens, n_equal = self._all_reduce([local.n_tokens, local.n_equal], dist.ReduceOp.SUM)
-        (max_delta,) = self._all_reduce([local.max_abs_delta], dist.ReduceOp.MAX)
-        first = local.first_mismatch or (None if n_equal == n_tokens else "on another rank")
-        return AuditResult(int(n_tokens), int(n_equal), max_delta, first)
-
     def _prepare_old_logprobs(self, batch: list[dict]) -> None:
-        """Audit, reuse and fallback for one step's rollout batch (before compute_advantages).
-
-        The audit's sequences and the sequences holding stale tokens are recomputed in one
-        pass; a failed audit recomputes the whole batch instead.
-        """
-        state, version = self.tik_state, self.get_version()
+        """Reuse, audit and fallback for one step's rollout batch (``old_logprobs``)."""
         needs_prox = self.config.stock_should_compute_prox_logp()
-        trainer_recomputed = all(t.get("prox_logp") is not None for t in batch)
-        stats = {}
-        if state.reuse_active:
-            plan = reuse.plan_reuse(batch, version)
-            audit_due, audit_rows = state.audit_due(version), []
-            if audit_due:
-                fresh_rows = [(i, r) for i, t in enumerate(batch)
-                              for r in reuse.fresh_mask(t, version).any(dim=-1).nonzero().flatten().tolist()]
-                audit_rows = reuse.select_rows(batch, self.config.tik_audit_sequences, fresh_rows)
-            stale_rows = plan.stale_rows()
-            rows = list(dict.fromkeys(audit_rows + stale_rows))
-            if self._all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0] > 0 and not rows:
-                rows = [(0, 0)]  # another rank recomputes: join its FSDP collectives with one sequence
-            recomputed = self._recompute_rows(batch, rows)
-            if audit_due:
-                audit = self._audit(batch, audit_rows, recomputed, version)
-                state.record_audit(audit, version)
-                if audit.conclusive:
-                    stats.update(bitwise_fraction=audit.bitwise_fraction, max_abs_delta=audit.max_abs_delta,
-                                 audit_passed=float(audit.passed), audited_tokens=float(audit.n_tokens))
-            if state.reuse_active:
-                reuse.merge_recomputed(plan, stale_rows, [recomputed[r] for r in stale_rows])
-                stats.update(self._account_reuse(batch, plan, stale_rows, needs_prox))
-        if state.fallback_reason is not None and not trainer_recomputed:
-            # Fell back at this step's audit: this batch gets AReaL's recompute now, and the
-            # run keeps recomputing (recompute_logprob makes AReaL ask for it every step).
-            self.config.recompute_logprob = True
-            for traj, logp in zip(batch, self._recompute(batch)):
-                traj["prox_logp"] = logp
-            stats.update(tokens_recomputed=float(sum(int(reuse.scored_mask(t).sum()) for t in batch)))
-        stats.update(reuse_active=float(state.reuse_active), fallback=float(state.fallback_reason is not None))
+        stats, fell_back = self.old_logprobs.prepare(batch, self.get_version(), needs_prox)
+        if fell_back:
+            self.config.recompute_logprob = True  # AReaL asks for the recompute every later step
         log_tik_stats(**stats)
-
-    def _account_reuse(self, batch, plan, stale_rows, needs_prox: bool) -> dict[str, float]:
-        if needs_prox:
-            for traj, prox in zip(batch, plan.prox):
-                traj["prox_logp"] = prox
-        tokens = [int(t["attention_mask"].sum()) for t in batch]
-        stale_tokens = sum(int(batch[i]["attention_mask"][r].sum()) for i, r in stale_rows)
-        skipped = sum(tokens) - stale_tokens if needs_prox else 0  # forward tokens not recomputed
-        saved = self.tik_state.note_reuse(plan.n_reused, plan.n_stale, skipped)
-        return dict(tokens_reused=float(plan.n_reused), tokens_recomputed=float(plan.n_stale),
-                    recompute_seconds_saved=saved)

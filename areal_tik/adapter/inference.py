@@ -25,8 +25,9 @@ from areal.infra import RemoteInfEngine, WorkflowExecutor
 from areal.utils import logging as areal_logging
 from areal.utils import perf_tracer, stats_tracker
 
-from .config import top_k_active
+from .config import ColocatedEngineConfig
 from .log import logger
+from .sampling import sampling_params
 
 
 def new_token_budget(req: ModelRequest) -> int:
@@ -42,49 +43,22 @@ def new_token_budget(req: ModelRequest) -> int:
     return budget
 
 
-def sampling_params(gconfig, max_new_tokens: int, vocab_size: int):
-    """areal_tik SamplingParams for an AReaL ``GenerationHyperparameters``; ValueError for
-    options the engine does not implement (rather than ignoring them)."""
-    from areal_tik.engine import SamplingParams
+def build_llm(engine_config, model_path: str, dtype: torch.dtype, kernels: str, device):
+    """An ``areal_tik.engine.LLM`` over the checkpoint at ``model_path``, sized by
+    ``engine_config`` (the YAML's ``tik:`` block; ``max_model_len`` capped at the
+    model's positions)."""
+    import dataclasses
 
-    if gconfig.n_samples != 1:
-        raise ValueError(f"one request samples one sequence; got n_samples={gconfig.n_samples}")
-    unsupported = {
-        "min_new_tokens": gconfig.min_new_tokens > 0,
-        "frequency_penalty": gconfig.frequency_penalty != 0.0,
-        "use_beam_search": gconfig.use_beam_search,
-        "stop (strings)": bool(gconfig.stop),
-    }
-    bad = [name for name, on in unsupported.items() if on]
-    if bad:
-        raise ValueError(f"the areal-tik engine does not implement {bad}; unset them in gconfig "
-                         "(stop_token_ids is supported)")
-    return SamplingParams(
-        temperature=0.0 if gconfig.greedy else float(gconfig.temperature),
-        top_k=int(gconfig.top_k) if top_k_active(gconfig.top_k, vocab_size) else 0,
-        top_p=float(gconfig.top_p),
-        max_new_tokens=int(max_new_tokens),
-        stop_token_ids=tuple(int(t) for t in gconfig.stop_token_ids if t is not None),
-        ignore_eos=bool(gconfig.ignore_eos),
-    )
-
-
-def build_llm(config, model_path: str, dtype: torch.dtype, kernels: str, device):
-    """An ``areal_tik.engine.LLM`` over the checkpoint at ``model_path``, sized by the
-    ``tik_*`` options of a TikInferenceEngineConfig."""
-    from areal_tik.engine import LLM, EngineConfig
+    from areal_tik.engine import LLM
     from areal_tik.model import UnifiedCausalLM
 
     model = UnifiedCausalLM.from_pretrained(model_path, dtype=dtype, device=device, kernels=kernels)
-    max_len = min(config.tik_max_model_len, model.config.max_positions)
-    if max_len < config.tik_max_model_len:
+    max_len = min(engine_config.max_model_len, model.spec.max_positions)
+    if max_len < engine_config.max_model_len:
         logger.info("areal-tik engine: max_model_len %d capped at the model's %d positions",
-                    config.tik_max_model_len, max_len)
-    engine_config = EngineConfig(
-        max_num_seqs=config.tik_max_num_seqs, max_model_len=max_len,
-        kv_block_size=config.tik_kv_block_size, num_kv_blocks=config.tik_num_kv_blocks,
-        cuda_graphs=config.tik_cuda_graphs, seed=config.tik_seed,
-        gpu_memory_utilization=config.tik_gpu_memory_utilization)
+                    engine_config.max_model_len, max_len)
+        engine_config = dataclasses.replace(engine_config, max_model_len=max_len)
+    engine_config.check_kernels(model.kernels)
     return LLM(model, engine_config)
 
 
@@ -110,13 +84,15 @@ class TikInferenceEngine(TrainerFacingEngine):
     tik_in_process = True  # weights are copied in place by the actor, not sent over disk/NCCL
 
     def __init__(self, config, llm=None, *, model_path: str | None = None,
-                 dtype: torch.dtype = torch.bfloat16, kernels: str = "unified", device=None):
+                 dtype: torch.dtype = torch.bfloat16, kernels: str = "unified", device=None,
+                 engine_config=None):
         super().__init__(config, backend=None)
         if llm is None and not model_path:
             raise ValueError("TikInferenceEngine needs an LLM or a model_path to build one")
         self.llm = llm
         self._owns_llm = llm is None
-        self._build_args = (model_path, dtype, kernels, device)
+        engine_config = ColocatedEngineConfig() if engine_config is None else engine_config
+        self._build_args = (engine_config, model_path, dtype, kernels, device)
 
     def initialize(self, engine_id: str | None = None, addr=None, train_data_parallel_size: int | None = None):
         if addr:
@@ -124,8 +100,7 @@ class TikInferenceEngine(TrainerFacingEngine):
         self.engine_id = engine_id or uuid.uuid4().hex
         self.logger = areal_logging.getLogger(f"areal-tik engine {self.engine_id}")
         if self.llm is None:
-            model_path, dtype, kernels, device = self._build_args
-            self.llm = build_llm(self.config, model_path, dtype, kernels, device)
+            self.llm = build_llm(*self._build_args)
         self.workflow_executor = WorkflowExecutor(config=self.config, inference_engine=self)
         self.workflow_executor.initialize(logger=self.logger, train_data_parallel_size=train_data_parallel_size)
         self._initialized = True

@@ -1,26 +1,41 @@
-"""areal-tik inside AReaL 1.0.4: the ``actor.unified_kernels`` flag.
+"""The AReaL adapter: areal-tik inside AReaL 1.0.4, behind the ``actor.unified_kernels`` flag.
 
 Usage (AReaL is not forked; a stock entry script runs unchanged)::
 
-    python -m areal_tik.integration.launch examples/math/gsm8k_rl.py --config my.yaml
-    # my.yaml: actor.unified_kernels: true (+ tik_* options), rollout.tik_engine: auto
+    areal-tik launch examples/math/gsm8k_rl.py --config my.yaml
+    # my.yaml: actor.unified_kernels: true (+ actor.tik_* options), a tik: block for the engine
 
-or, in your own script, ``handle = areal_tik.patches.apply("areal")`` before building the
-trainer, and a config class derived from ``TikGRPOConfig``.
+or, in your own script, ``handle = areal_tik.adapter.apply_patches()`` before building
+the trainer, and a config class derived from ``TikGRPOConfig``.
+
+Named ``adapter`` rather than ``areal``: a folder ``areal_tik/areal`` would shadow AReaL
+itself whenever ``areal_tik/`` lands on ``sys.path`` (running a file of the package as a
+script does that), and "areal" in a traceback or a grep would mean two things.
+
+One job per file: ``config`` (typed configs), ``loader`` (AReaL's config loader with the
+areal-tik keys), ``actor`` (the actor's AReaL hooks), ``training`` (the unified forward
+over AReaL's micro-batches), ``old_logprobs`` (reuse -> audit -> merge -> account ->
+fallback), ``reuse`` and ``audit`` (its pure parts and the run state), ``sampling`` (the
+one gconfig -> SamplingParams translation), ``inference`` (the in-process rollout
+engine), ``server`` and ``client`` (server mode, side by side), ``trainer`` (PPOTrainer
+hooks), ``patch_list`` (what is swapped into AReaL), ``launch``, ``demo``, ``tasks``
+(reasoning-gym datasets and rewards), ``log``.
 
 Design: where areal-tik hooks into AReaL (all read from AReaL 1.0.4's source)
 ------------------------------------------------------------------------------
 
-Config (``config.py``). ``load_expr_config(argv, cls)`` merges the YAML into strict
-OmegaConf dataclasses, so new keys need subclasses: ``TikPPOActorConfig(PPOActorConfig)``
-(``unified_kernels``, ``tik_reuse_logprobs``, ``tik_audit_every``, ``tik_audit_sequences``,
-``tik_kernels``), ``TikInferenceEngineConfig(InferenceEngineConfig)`` (``tik_engine``
-and the engine's sizing), ``TikWandBConfig`` (W&B offline by default) and
-``TikGRPOConfig``/``TikPPOConfig``. The launcher swaps ``cli_args.load_expr_config`` for a
-wrapper that substitutes these for a stock script's ``GRPOConfig``/``PPOConfig``.
+Config (``config.py``, ``loader.py``). ``load_expr_config(argv, cls)`` merges the YAML
+into strict OmegaConf dataclasses, so new keys need subclasses: ``TikPPOActorConfig
+(PPOActorConfig)`` (``unified_kernels``, ``tik_reuse_logprobs``, ``tik_audit_every``,
+``tik_audit_sequences``, ``tik_kernels``), ``TikInferenceEngineConfig
+(InferenceEngineConfig)`` (``tik_engine``, ``tik_server_addrs``: where the engine runs),
+the top-level ``tik:`` block (``EngineConfig``'s fields, colocated defaults),
+``TikWandBConfig`` (W&B offline by default) and ``TikGRPOConfig``/``TikPPOConfig``. The
+patch list swaps ``cli_args.load_expr_config`` for a wrapper that substitutes these for a
+stock script's ``GRPOConfig``/``PPOConfig`` and names old and unknown areal-tik keys.
 
 Actor (``actor.py``). ``PPOTrainer._create_train_engine`` does ``from areal.engine
-import FSDPPPOActor`` at call time; the patch set points that name at
+import FSDPPPOActor`` at call time; the patch list points that name at
 ``TikFSDPPPOActor``. Its swaps, each a no-op without the flag:
 
 - ``forward_backward_batch``: each packed micro-batch (``[1, T]``, ``cu_seq_lens_q``,
@@ -31,15 +46,16 @@ import FSDPPPOActor`` at call time; the patch set points that name at
 - ``_compute_logprobs_and_loss`` / ``_compute_forward_result``: accept those log-probs
   (``log_softmax(logits.float() / T)[roll(input_ids, -1)]``, AReaL's semantics) and
   entropy in place of logits; the loss is AReaL's ``grpo_loss_fn`` unchanged.
-- ``compute_advantages`` (always called by ``PPOTrainer.train``): audit, reuse and
-  fallback, then AReaL's own advantage computation.
+- ``compute_advantages`` (always called by ``PPOTrainer.train``): ``old_logprobs``
+  (audit, reuse and fallback), then AReaL's own advantage computation.
 - ``connect_engine`` / ``update_weights``: with the in-process engine, weights are copied
   (``full_tensor()`` cast to the compute dtype: the bits FSDP's forward sees) into the
   engine, tagged with AReaL's version; no disk or NCCL. Servers get AReaL's own updates.
 
 Reuse. ``PPOTrainer.train`` runs ``actor.compute_logp`` under ``timeperf/recompute_logp``
 iff ``config.actor.should_compute_prox_logp()``; ``TikPPOActorConfig`` answers False
-while reuse is active, so the recompute pass disappears. ``compute_advantages`` then
+while the run reuses (the actor links the question to its ``OldLogprobs``), so the
+recompute pass disappears. ``compute_advantages`` then
 sets ``prox_logp = roll(rollout logprobs, -1)`` (AReaL's next-token alignment) for tokens
 whose ``versions`` equal the actor's version, recomputing only sequences with stale
 tokens and taking the recomputed value at stale positions (``reuse.py``). Reuse is
@@ -47,7 +63,7 @@ refused, with a logged reason, for top-k/top-p/greedy sampling, rollout temperat
 actor temperature, min_new_tokens, frequency penalty, the "standard" kernels, or a
 rollout engine other than areal-tik's (in process or a server).
 
-Audit (``audit.py``). On step 1 and every ``tik_audit_every`` steps a sample of
+Audit (``audit.py``, run by ``old_logprobs.py``). On step 1 and every ``tik_audit_every`` steps a sample of
 sequences is recomputed by AReaL's own ``PPOActor.compute_logp`` (running the unified
 training forward) and compared with the rollout log-probs bit for bit. Any difference
 switches the run to recompute for good: loud warning, reason kept, that batch
@@ -61,15 +77,15 @@ go through AReaL's stats tracker (so to W&B): ``tik/bitwise_fraction``,
 
 Rollout (``inference.py``). ``PPOTrainer._init_rollout`` only knows SGLang/vLLM (and
 AReaL's allocation grammar only parses those names), so ``rollout.backend`` keeps a
-parseable name and the patched ``_init_rollout`` returns ``TikInferenceEngine`` when
-``rollout.tik_engine`` resolves to "inprocess". It subclasses ``RemoteInfEngine`` to
+parseable name and the patched ``_init_rollout`` returns ``TikInferenceEngine`` (sized
+by the ``tik:`` block) when ``rollout.tik_engine`` resolves to "inprocess". It subclasses ``RemoteInfEngine`` to
 reuse AReaL's WorkflowExecutor (staleness control, submit/wait/prepare_batch,
 pause/resume) and replaces the HTTP parts: ``agenerate`` runs on the in-process
 ``areal_tik.engine.LLM`` and returns ``ModelResponse`` with ``output_logprobs`` and
 ``output_versions``. It needs AReaL's SPMD mode (``AREAL_SPMD_MODE=1``), which the
 launcher sets.
 
-Server mode (``server.py``, ``remote.py``). ``rollout.tik_engine: server`` returns AReaL's
+Server mode (``server.py``, ``client.py``). ``rollout.tik_engine: server`` returns AReaL's
 own ``RemoteInfEngine`` (``TikRemoteInfEngine``: per-token versions from the server) over
 areal-tik HTTP servers with SGLang's endpoints and payloads, launched one per training
 process or named in ``rollout.tik_server_addrs``. Weights go by AReaL's own path:
@@ -83,16 +99,24 @@ import importlib
 
 _EXPORTS = {
     "TikGRPOConfig": "config", "TikPPOConfig": "config", "TikPPOActorConfig": "config",
-    "TikInferenceEngineConfig": "config", "reuse_refusals": "config", "validate": "config",
+    "TikInferenceEngineConfig": "config", "ColocatedEngineConfig": "config",
+    "reuse_refusals": "config", "validate": "config",
     "TikFSDPPPOActor": "actor", "TikInferenceEngine": "inference", "RunState": "audit",
-    "run_demo": "demo", "make_tiny_checkpoint": "tiny",
+    "OldLogprobs": "old_logprobs",
 }
 
-__all__ = sorted(_EXPORTS)
+
+def apply_patches():
+    """Install the AReaL patch list (``patch_list.apply``); returns the handle to revert."""
+    from .patch_list import apply
+
+    return apply()
+
+__all__ = sorted([*_EXPORTS, "apply_patches"])
 
 
 def __getattr__(name):
-    # Lazy: importing areal_tik.integration does not import AReaL or torch.
+    # Lazy: importing areal_tik.adapter does not import AReaL or torch.
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,31 +1,26 @@
-"""Reversible swaps of the unified path into transformers and AReaL.
+"""Reversible attribute swaps: the generic machinery under every patch set.
 
-A patch set is a list of ``Swap(owner, attribute, replacement)``. ``apply(swaps)`` sets
-every attribute and returns a :class:`PatchHandle`; ``handle.revert()`` puts back exactly
-what was there before this apply (which may be an outer apply's replacement), so nested
-applies revert correctly when undone innermost first. A failure half-way through an
-apply undoes what it had already set before re-raising. Handles are context managers.
+A patch set is a list of ``Swap(owner, attribute, replacement)``. ``apply_swaps(swaps,
+name)`` sets every attribute and returns a :class:`PatchHandle`; ``handle.revert()``
+puts back exactly what was there before this apply (which may be an outer apply's
+replacement), so nested applies revert correctly when undone innermost first. A
+failure half-way through an apply undoes what it had already set before re-raising.
+Handles are context managers.
 
-Registered sets (see ``available()``):
-
-- ``"areal"``: the areal-tik actor, trainer rollout hook and config loader into AReaL
-  (``areal_tik.patches.areal``).
+This module knows no patch set and imports nothing from areal_tik: the one set there is,
+AReaL's, is listed by the adapter (``areal_tik.adapter.patch_list``) and applied with
+``areal_tik.adapter.apply_patches()``.
 """
 from __future__ import annotations
 
-import importlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 _MISSING = object()
 _LOCK = threading.Lock()
 _ACTIVE: list["PatchHandle"] = []  # innermost last
-
-# name -> "module:function" returning the list of Swaps of that set (imported lazily,
-# so that importing this package never imports AReaL).
-_REGISTRY = {"areal": "areal_tik.patches.areal:swaps"}
 
 
 @dataclass(frozen=True)
@@ -97,19 +92,6 @@ def apply_swaps(swaps: Iterable[Swap], name: str = "custom") -> PatchHandle:
         handle = PatchHandle(name, saved)
         _ACTIVE.append(handle)
         return handle
-
-
-def available() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def apply(name: str = "areal") -> PatchHandle:
-    """Apply the registered patch set ``name``; returns its handle."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown patch set {name!r}; available: {available()}")
-    module_name, func_name = _REGISTRY[name].split(":")
-    factory: Callable[[], list[Swap]] = getattr(importlib.import_module(module_name), func_name)
-    return apply_swaps(factory(), name=name)
 
 
 def active() -> list[str]:

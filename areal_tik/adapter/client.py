@@ -1,4 +1,5 @@
-"""AReaL's ``RemoteInfEngine`` over areal-tik servers (``server.py``).
+"""The client side of server mode: AReaL's ``RemoteInfEngine`` over areal-tik servers
+(``server.py``, beside it).
 
 ``TikServerBackend`` is the backend object ``RemoteInfEngine(config, backend)`` takes, in
 the shape of AReaL's SGLang backend (same endpoints and payloads where they exist), so
@@ -25,6 +26,7 @@ from areal.api.io_struct import HttpGenerationResult, HttpRequest, WeightUpdateR
 from areal.infra import workflow_context
 from areal.infra.utils.http import arequest_with_retry
 
+from . import sampling
 from .inference import TrainerFacingEngine, new_token_budget
 
 
@@ -39,22 +41,14 @@ class TikServerBackend:
     """Request builder / response parser for an areal-tik server (SGLang-shaped)."""
 
     def build_generation_request(self, req: ModelRequest, with_lora: bool, version: int) -> HttpRequest:
-        g = req.gconfig
+        """SGLang's ``/generate`` payload; the sampling options go through the one
+        gconfig translation (``sampling.sampling_params``), so an option the engine does
+        not implement fails here, before any request is sent."""
         if with_lora:
             raise NotImplementedError("LoRA is not supported by the areal-tik engine")
-        if g.use_beam_search:
-            raise NotImplementedError("beam search is not supported by the areal-tik engine")
-        sampling = {
-            "top_p": g.top_p, "top_k": g.top_k, "max_new_tokens": g.max_new_tokens,
-            "temperature": 0.0 if g.greedy else g.temperature,
-            "stop_token_ids": [int(t) for t in (g.stop_token_ids or []) if t is not None],
-            "ignore_eos": g.ignore_eos, "frequency_penalty": g.frequency_penalty,
-            "min_new_tokens": g.min_new_tokens,
-        }
-        if g.stop:
-            sampling["stop"] = g.stop  # refused by the server with a 400 naming it
+        params = sampling.sampling_params(req.gconfig, req.gconfig.max_new_tokens, vocab_size=None)
         payload = {"input_ids": list(req.input_ids), "image_data": req.image_data,
-                   "sampling_params": sampling, "return_logprob": True, "stream": False}
+                   "sampling_params": sampling.to_json(params), "return_logprob": True, "stream": False}
         return HttpRequest(endpoint="/generate", payload=payload)
 
     def parse_generation_response(self, response: dict[str, Any]) -> TikGenerationResult:
@@ -128,17 +122,21 @@ class TikServerBackend:
         raise NotImplementedError("onloading the areal-tik server is not supported")
 
     def launch_server(self, server_args: dict[str, Any]) -> subprocess.Popen:
-        """Start ``python -m areal_tik.integration.server`` with ``model``/``host``/``port``
-        (``model_path`` accepted for SGLang-style args) and optional engine options."""
+        """Start ``areal-tik serve`` with ``model``/``host``/``port`` (``model_path``
+        accepted for SGLang-style args), optional ``dtype``/``kernels``/``device`` and an
+        ``engine`` (``EngineConfig``) whose fields become the server's engine flags."""
+        from areal_tik.commands.flags import dataclass_to_argv
+
         model = server_args.get("model") or server_args.get("model_path")
         if not model:
             raise ValueError(f"server_args needs 'model' (or 'model_path'), got {sorted(server_args)}")
-        cmd = [sys.executable, "-m", "areal_tik.integration.server", "--model", str(model),
+        cmd = [sys.executable, "-m", "areal_tik.cli", "serve", "--model", str(model),
                "--host", str(server_args.get("host", "127.0.0.1")), "--port", str(server_args.get("port", 0))]
-        for key in ("dtype", "kernels", "device", "max_num_seqs", "max_model_len", "seed", "kv_block_size",
-                    "num_kv_blocks", "gpu_memory_utilization", "cuda_graphs"):
+        for key in ("dtype", "kernels", "device"):
             if server_args.get(key) is not None:
-                cmd += [f"--{key.replace('_', '-')}", str(server_args[key])]
+                cmd += [f"--{key}", str(server_args[key])]
+        if server_args.get("engine") is not None:
+            cmd += dataclass_to_argv(server_args["engine"])
         return subprocess.Popen(cmd)
 
 

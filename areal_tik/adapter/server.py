@@ -1,5 +1,5 @@
 """Server mode of the areal-tik rollout engine: an HTTP server around ``areal_tik.engine.LLM``
-with the SGLang-like endpoints AReaL's ``RemoteInfEngine`` drives (see ``remote.py``).
+with the SGLang-like endpoints AReaL's ``RemoteInfEngine`` drives (see ``client.py``).
 
 Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status):
 
@@ -25,7 +25,10 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
 - ``GET /health`` (``{"status", "paused", "kernels"}``), ``GET /get_weight_version``
   (``{"weight_version": int}``).
 
-``python -m areal_tik.integration.server --model <path> --port N`` serves a checkpoint.
+``areal-tik serve --model <path> --port N`` serves a checkpoint; the engine flags are
+generated from ``EngineConfig`` (``areal-tik serve --help``). Sampling options are
+translated by ``sampling.from_json``, the same translation the client and the in-process
+engine use.
 """
 from __future__ import annotations
 
@@ -37,47 +40,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from . import sampling
+
 logger = logging.getLogger(__name__)
-
-# SGLang sampling options the engine ignores harmlessly (text-side options; no ids change).
-_IGNORED = {"skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"}
-_UNSUPPORTED_NONZERO = ("frequency_penalty", "presence_penalty", "min_new_tokens")
-
 
 class BadRequest(ValueError):
     """A request the server refuses (HTTP 400)."""
-
-
-def sampling_params_from_json(sp, vocab_size: int) -> "SamplingParams":  # noqa: F821
-    """An ``areal_tik.engine.SamplingParams`` from an SGLang-style ``sampling_params`` dict;
-    BadRequest names the option or value that is not served. top_k < 0 or >= vocab_size
-    means no top-k filter (SGLang's -1, AReaL's huge default), as 0 does."""
-    from areal_tik.engine import SamplingParams
-
-    if not isinstance(sp, dict):
-        raise BadRequest(f"sampling_params must be an object, got {type(sp).__name__}")
-    sp = dict(sp)
-    for name in _UNSUPPORTED_NONZERO:
-        value = sp.pop(name, 0)
-        if value not in (0, 0.0, None):
-            raise BadRequest(f"{name} is not implemented by the areal-tik engine, got {value!r}")
-    if sp.pop("stop", None):
-        raise BadRequest("stop strings are not implemented by the areal-tik engine (use stop_token_ids)")
-    for name in _IGNORED:
-        sp.pop(name, None)
-    top_k = sp.pop("top_k", 0)
-    if isinstance(top_k, int) and not isinstance(top_k, bool) and not 0 <= top_k < vocab_size:
-        top_k = 0
-    kwargs = dict(top_k=top_k, stop_token_ids=tuple(sp.pop("stop_token_ids", None) or ()))
-    for name in ("temperature", "top_p", "max_new_tokens", "ignore_eos", "seed"):
-        if name in sp:
-            kwargs[name] = sp.pop(name)
-    if sp:
-        raise BadRequest(f"unknown sampling_params {sorted(sp)}")
-    try:
-        return SamplingParams(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(str(exc)) from None
 
 
 def load_safetensors_dir(path, device) -> dict:
@@ -147,7 +115,7 @@ class TikServer:
                 raise BadRequest("the areal-tik engine serves text-only models; got image_data")
             if body.get("lora_path"):
                 raise BadRequest("LoRA is not supported by the areal-tik engine")
-            params = sampling_params_from_json(body.get("sampling_params", {}), self.llm.vocab_size)
+            params = sampling.from_json(body.get("sampling_params", {}), self.llm.vocab_size)
             ids = body.get("input_ids")
             if not isinstance(ids, list):
                 raise BadRequest(f"input_ids must be a list of token ids, got {type(ids).__name__}")
@@ -359,40 +327,40 @@ class TikServer:
         self.stop()
 
 
-def main(argv=None) -> int:
-    import argparse
+def add_arguments(parser) -> None:
+    from areal_tik.commands.flags import add_dataclass_arguments
+    from areal_tik.engine.config import EngineConfig
+    from areal_tik.runtime import DEFAULT_KERNELS, KERNEL_SETS
 
-    import torch
-
-    from areal_tik.engine import LLM, EngineConfig
-    from areal_tik.model import UnifiedCausalLM
-
-    parser = argparse.ArgumentParser(description="Serve an areal-tik rollout engine over HTTP.")
     parser.add_argument("--model", required=True, help="local HF checkpoint dir or .gguf file")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (logged)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--kernels", default="unified", choices=["unified", "standard"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-block-size", type=int, default=64)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--cuda-graphs", choices=["on", "off"], default=None,
-                        help="default: on for a CUDA device")
-    args = parser.parse_args(argv)
+    parser.add_argument("--kernels", default=DEFAULT_KERNELS, choices=KERNEL_SETS)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    add_dataclass_arguments(parser.add_argument_group("engine (EngineConfig)"), EngineConfig)
+
+
+def build_llm(args):
+    """The ``LLM`` the flags describe (``max_model_len`` capped at the model's positions)."""
+    import torch
+
+    from areal_tik.commands.flags import dataclass_from_args
+    from areal_tik.engine import LLM, EngineConfig
+    from areal_tik.model import UnifiedCausalLM
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = UnifiedCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device,
+                                            kernels=args.kernels)
+    config = dataclass_from_args(EngineConfig, args,
+                                 max_model_len=min(args.max_model_len, model.spec.max_positions))
+    config.check_kernels(model.kernels)
+    return LLM(model, config)
+
+
+def main(args) -> int:
     logging.basicConfig(level=logging.INFO)
-    model = UnifiedCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
-                                            device=args.device, kernels=args.kernels)
-    graphs = args.device.startswith("cuda") if args.cuda_graphs is None else args.cuda_graphs == "on"
-    config = EngineConfig(max_num_seqs=args.max_num_seqs,
-                          max_model_len=min(args.max_model_len, model.config.max_positions),
-                          seed=args.seed, cuda_graphs=graphs, kv_block_size=args.kv_block_size,
-                          num_kv_blocks=args.num_kv_blocks,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
-    with LLM(model, config) as llm:
+    with build_llm(args) as llm:
         server = TikServer(llm, args.host, args.port).start()
         logger.info("serving on http://%s", server.address)
         try:
@@ -402,7 +370,3 @@ def main(argv=None) -> int:
         finally:
             server.stop()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

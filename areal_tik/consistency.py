@@ -1,5 +1,9 @@
 """Rollout vs training consistency: recorded log-probs against a packed training forward.
 
+It lives above the engine (the engine is rollout only; this runs the model's training
+forward over the engine's outputs) and is what ``areal-tik check`` and the engine tests
+run.
+
 ``packed_logprobs`` runs the training regime (``model.forward_packed`` over prompt +
 response, micro-batched, then ``model.token_logprobs`` next-token aligned) and
 ``compare`` counts bit-identical tokens. When some differ, ``first_divergence`` replays
@@ -13,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal_tik.bitwise import BitComparison, compare_bits
+from areal_tik.engine import GenerationOutput
 from areal_tik.unified_kernels import bitwise_equal
-
-from .sequence import GenerationOutput
 
 # ------------------------------------------------------------------ packed forward
 
@@ -73,34 +77,13 @@ def packed_logprobs(model, outputs: list[GenerationOutput], max_tokens_per_batch
     return result
 
 
-@dataclass
-class Comparison:
-    num_tokens: int
-    num_identical: int
-    max_abs_delta: float
-    first_mismatch: tuple[int, int] | None  # (request index, token index)
-
-    @property
-    def fraction_identical(self) -> float:
-        return self.num_identical / max(self.num_tokens, 1)
-
-
-def compare(outputs: list[GenerationOutput], reference: list[torch.Tensor]) -> Comparison:
-    """Bitwise comparison of recorded log-probs with reference log-probs (integer bit views)."""
-    total = same = 0
-    worst = 0.0
-    first = None
-    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
-        rec = torch.tensor(out.logprobs, dtype=torch.float32)
-        ref = ref.float().cpu()
-        equal = rec.view(torch.int32) == ref.view(torch.int32)
-        total += rec.numel()
-        same += int(equal.sum())
-        if rec.numel():
-            worst = max(worst, float((rec.double() - ref.double()).abs().max()))
-        if first is None and not bool(equal.all()):
-            first = (i, int((~equal).nonzero()[0]))
-    return Comparison(total, same, worst, first)
+def compare(outputs: list[GenerationOutput], reference: list[torch.Tensor]) -> BitComparison:
+    """Bitwise comparison of recorded log-probs with reference log-probs; ``first_mismatch``
+    is ``(request index, token index)``."""
+    if len(outputs) != len(reference):
+        raise ValueError(f"{len(outputs)} outputs but {len(reference)} reference rows")
+    recorded = [torch.tensor(out.logprobs, dtype=torch.float32) for out in outputs]
+    return compare_bits(recorded, [ref.float() for ref in reference])
 
 
 # ------------------------------------------------------------------ op-level diagnosis
@@ -237,7 +220,7 @@ def first_divergence(model, outputs: list[GenerationOutput], request: int, token
             torch.tensor([0, n], dtype=torch.int32, device=dev), n))
     regime = "prefill" if position == prompt_len - 1 else "decode"
     rollout_rows, rollout_index = (prompt_len, position) if regime == "prefill" else (1, 0)
-    n_layers = model.config.n_layers
+    n_layers = model.spec.n_layers
     a, b = _labelled(rollout.records, n_layers), _labelled(packed.records, n_layers)
     compared = 0
     for (layer, op, x), (_, op_b, y) in zip(a, b):

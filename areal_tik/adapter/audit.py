@@ -2,7 +2,7 @@
 
 Every audit recomputes a sample of sequences with the trainer's forward and compares the
 bits of the rollout log-probs of fresh tokens with the recomputed ones (``torch.equal``
-on integer views; no tolerance). One differing bit switches the run to recompute for
+on integer views, ``areal_tik.bitwise.compare_bits``; no tolerance). One differing bit switches the run to recompute for
 good: a loud warning, the reason kept in ``RunState.fallback_reason`` and the metric
 ``tik/fallback`` = 1.
 """
@@ -11,58 +11,17 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-
-from areal_tik.unified_kernels import bits
+from areal_tik.bitwise import BitComparison
 
 from .log import logger
 
 
-@dataclass
-class AuditResult:
-    """Bit comparison of rollout vs recomputed log-probs over the audited tokens."""
-
-    n_tokens: int
-    n_equal: int
-    max_abs_delta: float
-    first_mismatch: str | None = None
-
-    @property
-    def bitwise_fraction(self) -> float:
-        return self.n_equal / self.n_tokens if self.n_tokens else float("nan")
-
-    @property
-    def conclusive(self) -> bool:
-        return self.n_tokens > 0
-
-    @property
-    def passed(self) -> bool:
-        return self.conclusive and self.n_equal == self.n_tokens
-
-
-def compare_bits(rollout: list[torch.Tensor], recomputed: list[torch.Tensor],
-                 masks: list[torch.Tensor]) -> AuditResult:
-    """Compare per-row fp32 log-probs at ``masks`` (all three lists aligned, ``[L]`` each)."""
-    if not (len(rollout) == len(recomputed) == len(masks)):
-        raise ValueError(f"lists differ in length: {len(rollout)}, {len(recomputed)}, {len(masks)}")
-    n_tokens = n_equal = 0
-    max_delta = 0.0
-    first = None
-    for row, (a, b, m) in enumerate(zip(rollout, recomputed, masks)):
-        a, b, m = a.reshape(-1), b.reshape(-1).to(a.dtype), m.reshape(-1).bool()
-        if not (a.shape == b.shape == m.shape):
-            raise ValueError(f"row {row}: shapes {tuple(a.shape)}, {tuple(b.shape)}, {tuple(m.shape)}")
-        a, b = a[m], b[m]
-        equal = bits(a) == bits(b)
-        n_tokens += a.numel()
-        n_equal += int(equal.sum())
-        if a.numel():
-            max_delta = max(max_delta, float((a.double() - b.double()).abs().max()))
-        if first is None and not bool(equal.all()):
-            k = int((~equal).nonzero()[0])
-            first = (f"sampled row {row}, scored token {k}: rollout {a[k].item()!r} "
-                     f"vs recompute {b[k].item()!r}")
-    return AuditResult(n_tokens=n_tokens, n_equal=n_equal, max_abs_delta=max_delta, first_mismatch=first)
+def describe_mismatch(result: BitComparison) -> str:
+    """Where the first differing log-prob of an audit sits, and its two values."""
+    if result.first_mismatch is None:
+        return "in another training process's sample"
+    (row, k), (rollout, recomputed) = result.first_mismatch, result.first_values
+    return f"sampled row {row}, scored token {k}: rollout {rollout!r} vs recompute {recomputed!r}"
 
 
 @dataclass
@@ -72,7 +31,7 @@ class RunState:
     refusals: list[str] = field(default_factory=list)  # config-level reasons reuse cannot be exact
     audit_every: int = 10
     fallback_reason: str | None = None
-    audits: list[AuditResult] = field(default_factory=list)
+    audits: list[BitComparison] = field(default_factory=list)
     audit_pending: bool = True            # step 1 is always audited
     tokens_reused: int = 0
     tokens_recomputed: int = 0
@@ -94,7 +53,7 @@ class RunState:
             return True
         return self.audit_every > 0 and step % self.audit_every == 0
 
-    def record_audit(self, result: AuditResult, step: int) -> None:
+    def record_audit(self, result: BitComparison, step: int) -> None:
         self.audits.append(result)
         if not result.conclusive:
             self.audit_pending = True
@@ -102,14 +61,14 @@ class RunState:
                         step + 1)
             return
         self.audit_pending = False
-        if result.passed:
+        if result.identical:
             logger.info("areal-tik audit at step %d: %d/%d log-probs bitwise equal",
-                        step + 1, result.n_equal, result.n_tokens)
+                        step + 1, result.num_identical, result.num_tokens)
         else:
             self.fall_back(
-                f"bitwise audit failed at step {step + 1}: {result.n_tokens - result.n_equal} of "
-                f"{result.n_tokens} rollout log-probs differ from the trainer's recompute "
-                f"(max |delta| {result.max_abs_delta:.3g}; first: {result.first_mismatch})")
+                f"bitwise audit failed at step {step + 1}: {result.num_tokens - result.num_identical} of "
+                f"{result.num_tokens} rollout log-probs differ from the trainer's recompute "
+                f"(max |delta| {result.max_abs_delta:.3g}; first: {describe_mismatch(result)})")
 
     def fall_back(self, reason: str) -> None:
         """Switch the run to recompute for good and say so loudly."""
@@ -145,14 +104,14 @@ class RunState:
             return "reuse refused: " + "; ".join(self.refusals)
         if self.fallback_reason is not None:
             return "FELL BACK to recompute: " + self.fallback_reason
-        passed = sum(a.passed for a in self.audits)
+        passed = sum(a.identical for a in self.audits)
         if passed == 0:
             return "no conclusive audit yet"
         return f"all {passed} audits bitwise equal"
 
     def summary(self) -> dict:
-        tokens = sum(a.n_tokens for a in self.audits)
-        equal = sum(a.n_equal for a in self.audits)
+        tokens = sum(a.num_tokens for a in self.audits)
+        equal = sum(a.num_identical for a in self.audits)
         return {
             "reuse_active": self.reuse_active,
             "verdict": self.verdict(),

@@ -1,10 +1,10 @@
-"""Run a stock AReaL entry script with the areal-tik patches installed.
+"""``areal-tik launch``: run a stock AReaL entry script with the areal-tik patches installed.
 
-    python -m areal_tik.integration.launch examples/math/gsm8k_rl.py --config my.yaml [k=v ...]
-    torchrun --nproc-per-node 8 -m areal_tik.integration.launch train.py --config my.yaml
+    areal-tik launch examples/math/gsm8k_rl.py --config my.yaml [k=v ...]
+    torchrun --nproc-per-node 8 -m areal_tik.cli launch train.py --config my.yaml
 
 The script runs unchanged as ``__main__`` (AReaL is not forked): before it starts, the
-``"areal"`` patch set swaps in the areal-tik actor, the in-process rollout engine hook
+AReaL patch list (``patch_list``) swaps in the areal-tik actor, the in-process rollout engine hook
 and the config loader, so ``actor.unified_kernels: true`` in the YAML takes effect.
 Processes run in AReaL's SPMD mode (``AREAL_SPMD_MODE=1``): one process per GPU, each
 with its own in-process engine; a single process gets RANK=0, WORLD_SIZE=1 and a free
@@ -12,12 +12,13 @@ local port unless torchrun (or the caller) has set them.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import socket
 import sys
 
-USAGE = "usage: python -m areal_tik.integration.launch <script.py> --config <config.yaml> [key=value ...]"
+from areal_tik.runtime import use_interpreter_without_gpu
 
 
 def _free_port() -> int:
@@ -40,26 +41,17 @@ def spmd_environment(environ=None) -> dict[str, str]:
     return env
 
 
-def kernel_environment(environ=None) -> None:
-    """Without a GPU the Triton kernels run in the interpreter (set before they import)."""
-    env = os.environ if environ is None else environ
-    import torch
-
-    if not torch.cuda.is_available():
-        env.setdefault("TRITON_INTERPRET", "1")
-
-
 def run_script(script: str, args: list[str]) -> None:
     """``script`` as ``__main__`` with ``sys.argv = [script, *args]``, patches applied."""
-    from areal_tik import patches
+    from . import patch_list
 
     if not script.endswith(".py") or not os.path.isfile(script):
         raise FileNotFoundError(f"entry script not found (expected a .py file): {script!r}")
     spmd_environment()
-    kernel_environment()
+    use_interpreter_without_gpu()
     saved_argv = sys.argv
     sys.argv = [script, *args]
-    handle = patches.apply("areal")
+    handle = patch_list.apply()
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
@@ -67,14 +59,12 @@ def run_script(script: str, args: list[str]) -> None:
         sys.argv = saved_argv
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    run_script(argv[0], argv[1:])
+def add_arguments(parser) -> None:
+    parser.add_argument("script", help="the AReaL entry script (.py), run unchanged as __main__")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER,
+                        help="its arguments: --config <config.yaml> [key=value ...]")
+
+
+def main(args) -> int:
+    run_script(args.script, list(args.script_args))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 AReaL's FSDP engine packs a micro-batch into one ``[1, T]`` row padded to a multiple of
 256 tokens (the pad is one extra "sequence" at the end of ``cu_seq_lens_q``, with
 positions 0..pad-1) and computes ``log_softmax(logits.float() / T)[roll(input_ids, -1)]``.
-``packed_logprobs`` computes the same quantity with ``UnifiedCausalLM.forward_logprobs``
+``micro_batch_logprobs`` computes the same quantity with ``UnifiedCausalLM.forward_logprobs``
 (the stack runs as the forward of the HF model and of each decoder layer, so FSDP2's
 gather/reshard and mixed-precision casts run around it), fused with the lm head so no
 ``[T, V]`` logits tensor is kept for backward. Outputs cover the real tokens only (AReaL
@@ -34,7 +34,7 @@ def unified_logprobs(model, input_ids, positions, cu_seqlens, max_seqlen: int, t
     return out, None
 
 
-def packed_logprobs(model, inputs: dict, temperature: float, return_entropy: bool,
+def micro_batch_logprobs(model, inputs: dict, temperature: float, return_entropy: bool,
                     pad_length: int = 0) -> TikOutput:
     """Log-probs of one AReaL padded micro-batch (``FSDPEngine._prepare_mb_list`` output)
     for its ``T - pad_length`` real tokens.

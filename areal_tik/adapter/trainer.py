@@ -1,41 +1,28 @@
-"""Hooks into AReaL's PPOTrainer and config loading (installed by ``areal_tik.patches``).
+"""Hooks into AReaL's PPOTrainer (installed by ``patch_list``).
 
 - ``wrap_trainer_init``: W&B offline via the environment when the config asks for it,
   an early error when the in-process engine is asked for outside SPMD mode, and the
   config-level reuse refusals handed to the actor once it exists.
 - ``wrap_init_rollout``: the in-process areal-tik engine instead of SGLang/vLLM when
   ``rollout.tik_engine`` resolves to "inprocess" (the eval engine shares its LLM), or
-  AReaL's RemoteInfEngine over areal-tik servers for "server".
-- ``wrap_load_expr_config``: stock scripts asking for ``GRPOConfig``/``PPOConfig`` get
-  the areal-tik subclasses, so the YAML may carry the flag; unknown keys keep raising,
-  with the areal-tik options listed.
+  AReaL's RemoteInfEngine over areal-tik servers for "server". Both take the engine's
+  options from the YAML's ``tik:`` block.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
 import os
 from copy import deepcopy
 
 import torch
-from areal.api.cli_args import GRPOConfig, PPOConfig
 from areal.infra.platforms import current_platform
 from areal.utils.environ import is_single_controller
-from omegaconf.errors import ConfigKeyError
 
 from .actor import TikFSDPPPOActor
-from .config import (
-    TikGRPOConfig,
-    TikInferenceEngineConfig,
-    TikPPOActorConfig,
-    TikPPOConfig,
-    engine_mode,
-    reuse_refusals,
-)
+from .config import TikPPOConfig, engine_mode, reuse_refusals
 from .inference import TikInferenceEngine
 
-SPMD_HINT = ("run it through `python -m areal_tik.integration.launch <script.py> --config <yaml>` "
+SPMD_HINT = ("run it through `areal-tik launch <script.py> --config <yaml>` "
              "(one process; wrap in torchrun for several GPUs), which sets AREAL_SPMD_MODE=1")
 
 
@@ -65,7 +52,7 @@ def wrap_trainer_init(original):
 def _server_engine(trainer, rollout_config, is_eval: bool):
     """A TikRemoteInfEngine over ``rollout.tik_server_addrs``, or over one areal-tik server
     launched for this training process on its device (the eval engine shares it)."""
-    from .remote import TikRemoteInfEngine
+    from .client import TikRemoteInfEngine
 
     config = deepcopy(rollout_config)
     if is_eval:
@@ -87,11 +74,7 @@ def _server_engine(trainer, rollout_config, is_eval: bool):
                 "GPUs named in rollout.tik_server_addrs.")
         addrs = [engine.launch_local_server({
             "model": actor.path, "dtype": actor.dtype, "kernels": actor.tik_kernels, "device": str(device),
-            "max_num_seqs": config.tik_max_num_seqs, "max_model_len": config.tik_max_model_len,
-            "seed": config.tik_seed, "kv_block_size": config.tik_kv_block_size,
-            "num_kv_blocks": config.tik_num_kv_blocks,
-            "gpu_memory_utilization": config.tik_gpu_memory_utilization,
-            "cuda_graphs": "on" if config.tik_cuda_graphs and device.type == "cuda" else "off"})]
+            "engine": trainer.config.tik})]
     engine.initialize(engine_id=f"{'eval-' if is_eval else ''}rank{os.environ.get('RANK', '0')}", addr=addrs,
                       train_data_parallel_size=trainer.actor_alloc.parallel.dp_size)
     return engine
@@ -113,47 +96,8 @@ def wrap_init_rollout(original):
         actor = self.config.actor
         engine = TikInferenceEngine(config, llm=shared, model_path=actor.path,
                                     dtype=getattr(torch, actor.dtype), kernels=actor.tik_kernels,
-                                    device=_device())
+                                    device=_device(), engine_config=self.config.tik)
         engine.initialize(engine_id=f"{'eval-' if is_eval else ''}rank{os.environ.get('RANK', '0')}",
                           train_data_parallel_size=self.actor_alloc.parallel.dp_size)
         return engine
     return _init_rollout
-
-
-def tik_config_class(config_cls):
-    """The areal-tik counterpart of a PPO config class (other classes pass through)."""
-    if isinstance(config_cls, type) and issubclass(config_cls, TikPPOConfig):
-        return config_cls
-    if config_cls is GRPOConfig:
-        return TikGRPOConfig
-    if config_cls is PPOConfig:
-        return TikPPOConfig
-    if isinstance(config_cls, type) and issubclass(config_cls, PPOConfig):
-        raise TypeError(
-            f"{config_cls.__name__} subclasses AReaL's PPOConfig; to use the areal-tik options, "
-            "derive it from areal_tik.integration.config.TikGRPOConfig (or TikPPOConfig) instead")
-    return config_cls
-
-
-def _tik_option_names() -> list[str]:
-    names = []
-    for prefix, cls in (("actor", TikPPOActorConfig), ("rollout", TikInferenceEngineConfig)):
-        names += [f"{prefix}.{f.name}" for f in dataclasses.fields(cls)
-                  if f.name == "unified_kernels" or f.name.startswith("tik_")]
-    return names
-
-
-def wrap_load_expr_config(original):
-    @functools.wraps(original)
-    def load_expr_config(argv, config_cls):
-        config_cls = tik_config_class(config_cls)
-        try:
-            return original(argv, config_cls)
-        except ConfigKeyError as exc:
-            key = getattr(exc, "full_key", None) or ""
-            close = difflib.get_close_matches(str(key), _tik_option_names(), n=3)
-            hint = f" Did you mean {close}?" if close else ""
-            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"unknown config key {key!r} for {config_cls.__name__} ({first_line}).{hint} "
-                             f"areal-tik options: {_tik_option_names()}") from exc
-    return load_expr_config
