@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn check bench_rollout
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
-#           bench_train
+#           bench_train bench_train_cache
 # Each device call runs at most 10 minutes: pass the stages that fit.
 # AReaL's runtime dependencies are not on the GPU image: `bash scripts/gpu_wheels.sh`
 # builds parts of a tarball of their wheels (requirements/gpu-carry.txt; cp312 manylinux;
@@ -59,6 +59,11 @@ for s in $STAGES; do case $s in
   # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
   # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
   bench_train) run bench_train 420 python3 eval/bench_train.py --out "$W/csv" ;;
+  # The same recipe twice on one persistent Triton cache: the second run must compile nothing
+  # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
+  bench_train_cache) export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
+             run bench_train_run1 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
+             run bench_train_run2 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

@@ -22,6 +22,7 @@ Functional API (bf16 or fp32 activations; CUDA tensors, or CPU tensors under
 - ``attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale)`` attention.py
 - ``store_kv_cache(k, v, k_cache, v_cache, slot_mapping)``              attention.py
 - ``attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)`` attention.py
+- ``warmup(WarmupShapes(...), max_rows, device)``: compile every launch variant at start-up  warmup.py
 
 The embedding lookup stays a torch gather (``weight[ids]``): it copies bits and is
 exact in every regime, so it needs no kernel.
@@ -40,10 +41,12 @@ from .logprob import gather_logprobs, lm_head_logits_lse, token_logprobs
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin
 from .swiglu import silu_mul
+from .warmup import WarmupShapes, warmup
 
 __all__ = [
     "bits", "bitwise_equal",
     "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
     "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
     "attention_varlen", "store_kv_cache", "attention_decode",
+    "WarmupShapes", "warmup",
 ]
