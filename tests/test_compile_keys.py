@@ -30,17 +30,21 @@ _JIT_OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment"
                 "repr", "launch_metadata")
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # launches are intercepted on either
+
+
 def _kernels():
     for name in MODULES:
         module = importlib.import_module(f"areal_tik.unified_kernels.{name}")
         for value in vars(module).values():
-            if isinstance(value, InterpretedFunction):
+            if isinstance(value, (InterpretedFunction, JITFunction)):
                 yield value
 
 
-def launch_key(kernel: InterpretedFunction, args, kwargs) -> tuple:
-    """The cache key the GPU JIT would compute for this launch (kernel name included)."""
-    jit = JITFunction(kernel.fn, **{k: v for k, v in kernel.kwargs.items() if k in _JIT_OPTIONS})
+def launch_key(kernel, args, kwargs) -> tuple:
+    """The cache key the GPU JIT computes for this launch (kernel name included)."""
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(
+        kernel.fn, **{k: v for k, v in kernel.kwargs.items() if k in _JIT_OPTIONS})
     binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
     _, specialization, options = binder(*args, **kwargs)
     return kernel.fn.__name__, repr(specialization), repr(sorted(options.items()))
@@ -58,7 +62,7 @@ def launches(monkeypatch):
 
 
 def _z(*shape, dtype=torch.bfloat16, grad=False):
-    return torch.zeros(*shape, dtype=dtype, requires_grad=grad)
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE, requires_grad=grad)
 
 
 def _step_ops(rows: int, index_dtype=torch.int64) -> None:
@@ -67,10 +71,10 @@ def _step_ops(rows: int, index_dtype=torch.int64) -> None:
     normed, summed = U.add_rms_norm(x, _z(rows, 32), _z(32, grad=True), 1e-6)
     head = U.rms_norm(_z(rows * 2, 16, grad=True), _z(16, grad=True), 1e-6)
     act = U.silu_mul(_z(rows, 48, grad=True))
-    cos, sin = U.rope_cos_sin(64, 16, device="cpu")
+    cos, sin = U.rope_cos_sin(64, 16, device=DEVICE)
     q, k = U.apply_rope(_z(rows, 4, 16, grad=True), _z(rows, 2, 16, grad=True),
-                        torch.arange(rows, dtype=index_dtype), cos, sin)
-    targets = torch.zeros(rows, dtype=index_dtype)
+                        torch.arange(rows, dtype=index_dtype, device=DEVICE), cos, sin)
+    targets = torch.zeros(rows, dtype=index_dtype, device=DEVICE)
     lp, ent = U.token_logprobs(normed, _z(300, 32, grad=True), targets, 0.7, return_entropy=True)
     loss = lp.sum() + ent.sum() + summed.float().sum() + head.float().sum() + act.float().sum()
     (loss + q.float().sum() + k.float().sum()).backward()
@@ -89,7 +93,7 @@ def _probe_pinned_kernel(x_ptr, n):
 
 
 def test_negative_control_the_key_sees_an_unpinned_int_and_alignment():
-    x = torch.zeros(32)
+    x = torch.zeros(32, device=DEVICE)
     keys = {n: launch_key(_probe_kernel, (x, n), {}) for n in (1, 2, 16, 17, 32)}
     assert keys[1] != keys[2] and keys[16] != keys[17] and keys[2] == keys[17] and keys[16] == keys[32]
     assert launch_key(_probe_kernel, (x[1:], 2), {}) != keys[2]  # a pointer off 16-byte alignment
@@ -128,7 +132,7 @@ def test_linear_keys_change_only_with_the_tile_schedule(launches):
 def test_warmup_launches_every_key_a_later_step_uses(launches):
     shapes = U.WarmupShapes(linears=((24, 40, True), (40, 24, False)), norms=(32, 16), intermediates=(24,),
                             heads=(4, 2, 16), lm_head=(300, 32))
-    counts = U.warmup(shapes, max_rows=40, device="cpu")
+    counts = U.warmup(shapes, max_rows=40, device=DEVICE, workers=1)
     warmed = set(launches)
     assert counts["linear"] == sum(len(W.linear_row_variants(n, k, torch.bfloat16, 40)) for n, k, _ in shapes.linears)
     w1, b1, w2 = _z(24, 40), _z(24), _z(40, 24)
@@ -143,12 +147,12 @@ def test_warmup_launches_every_key_a_later_step_uses(launches):
 
 @pytest.mark.parametrize("lengths", [(3,), (5, 7), (16, 16), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)])
 def test_warmup_covers_attention_packings(launches, lengths):
-    for task in W.warm_attention((4, 2, 16), torch.bfloat16, "cpu", training=True):
+    for task in W.warm_attention((4, 2, 16), torch.bfloat16, DEVICE, training=True):
         task()
     warmed = set(launches)
     launches.clear()
     t = sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, v = _z(t, 4, 16, grad=True), _z(t, 2, 16, grad=True), _z(t, 2, 16, grad=True)
     U.attention_varlen(q, k, v, cu, max(lengths), 0.25).sum().backward()
     assert launches and set(launches) <= warmed, set(launches) - warmed
@@ -190,7 +194,45 @@ def test_rope_key_does_not_depend_on_the_table_length(launches):
     keys = set()
     for max_positions in (4, 17, 32, 40960):
         launches.clear()
-        cos, sin = U.rope_cos_sin(max_positions, 16, device="cpu")
-        U.apply_rope(_z(3, 4, 16), _z(3, 2, 16), torch.arange(3), cos, sin)
+        cos, sin = U.rope_cos_sin(max_positions, 16, device=DEVICE)
+        U.apply_rope(_z(3, 4, 16), _z(3, 2, 16), torch.arange(3, device=DEVICE), cos, sin)
         keys.update(launches)
     assert len(keys) == 1, keys
+
+
+@pytest.mark.gpu
+def test_gpu_no_jit_compilation_after_warmup():
+    """The real JIT: after ``warmup``, forward + backward at other row counts and packings
+    compile nothing (Triton's post-compile hook sees every new key, disk-cached or not)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    shapes = U.WarmupShapes(linears=((2048, 1024, False), (1024, 2048, True)), norms=(1024, 128),
+                            intermediates=(3072,), heads=(16, 8, 128), lm_head=(151936, 1024))
+    U.warmup(shapes, max_rows=2048, device=dev)
+    w1, w2, b2 = (torch.randn(*s, device=dev, dtype=bf16, requires_grad=True) * 0.02 for s in ((2048, 1024),
+                                                                                               (1024, 2048), (1024,)))
+    wn, wh = torch.ones(1024, device=dev, dtype=bf16), torch.ones(128, device=dev, dtype=bf16)
+    lm = torch.randn(151936, 1024, device=dev, dtype=bf16) * 0.02
+    cos, sin = U.rope_cos_sin(40960, 128, base=1e6, device=dev)
+    compiled = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        for rows in (1, 7, 64, 65, 300, 1024, 1025, 2048):
+            x = torch.randn(rows, 1024, device=dev, dtype=bf16, requires_grad=True)
+            h = U.linear(x, w1)
+            y = U.linear(h, w2, b2)
+            normed, summed = U.add_rms_norm(y, x, wn, 1e-6)
+            head = U.rms_norm(h.reshape(-1, 128), wh, 1e-6)
+            act = U.silu_mul(torch.randn(rows, 6144, device=dev, dtype=bf16, requires_grad=True))
+            q, k = U.apply_rope(h.view(rows, 16, 128), y.view(rows, 8, 128), torch.arange(rows, device=dev), cos, sin)
+            lengths = [rows] if rows == 1 else [rows // 2, rows - rows // 2]
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            attn = U.attention_varlen(q, k, y.view(rows, 8, 128), cu, max(lengths), 128 ** -0.5)
+            lp, ent = U.token_logprobs(normed, lm, torch.zeros(rows, dtype=torch.int64, device=dev), 1.0, True)
+            loss = lp.sum() + ent.sum() + summed.float().sum() + head.float().sum() + act.float().sum()
+            (loss + attn.float().sum()).backward()
+            U.lm_head_logits_lse(normed.detach(), lm)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert not compiled, f"compiled after warm-up: {compiled}"
