@@ -430,16 +430,16 @@ def main(argv=None) -> None:
     for key, value in notes.items():
         print(f"{key}: {value}", flush=True)
     entries_before = _cache_entries()
+    info = {**run_info(device), **notes}
     rows = []
     for name, pack in itertools.product(models, packs):
-        rows += run_case(name, pack, args, gather, liger, device)
+        rows += [{**info, **row} for row in run_case(name, pack, args, gather, liger, device)]
+        path = write_csv(rows, args.out, "bench_train.csv")  # after every case: a timeout keeps the rest
         torch.cuda.empty_cache() if device == "cuda" else None
-    new_entries = _cache_entries() - entries_before
-    notes["triton_cache"] = f"{triton.knobs.cache.dir}: {new_entries} kernels compiled into it by this run"
-    print(f"triton_cache: {notes['triton_cache']}")
-    info = {**run_info(device), **notes}
-    path = write_csv([{**info, **row} for row in rows], args.out, "bench_train.csv")
-    print(f"wrote {path}")
+    compiled = _cache_entries() - entries_before
+    print(f"triton_cache: {triton.knobs.cache.dir}: {compiled} kernels compiled into it by this run")
+    rows.append({**info, "path": "run", "metric": "triton_cache_new_kernels", "value": compiled})
+    print(f"wrote {write_csv(rows, args.out, 'bench_train.csv')}")
 
 
 if __name__ == "__main__":
