@@ -23,8 +23,10 @@ Paths (one Hugging Face module, one set of parameters):
 
 Printed per case: ms per step (median of --steps after --warmup; wall clock between CUDA
 synchronisations, Python included), the first call (compilation included: Triton and
-Inductor caches start empty in each run unless --warm-cache), stock / ours (> 1: ours is
-faster), peak memory, MFU (model FLOPs 6 N T + causal attention 6 L^2 Hq D per layer and
+Inductor caches start empty in each run unless --warm-cache; ours runs
+``unified_kernels.warmup`` first, timed on its own, unless --no-warmup), Triton JIT
+compilations in the first call and in all later ones (the target: 0), stock / ours (> 1:
+ours is faster), peak memory, MFU (model FLOPs 6 N T + causal attention 6 L^2 Hq D per layer and
 sequence, over the measured 790 TFLOP/s bf16 ceiling), and agreement with stock: relative
 Frobenius error of all gradients, the worst parameter, max |delta logprob|, and whether
 ours repeats bit for bit.
@@ -53,7 +55,9 @@ if __name__ == "__main__" and "--warm-cache" not in sys.argv:
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU smoke runs: before kernels import
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU smoke runs: before triton is imported
+
+import triton  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -62,7 +66,7 @@ from eval.harness import run_info, write_csv  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.ops import _flash_varlen, get_ops  # noqa: E402
 from areal_tik.model.spec import ModelSpec  # noqa: E402
-from areal_tik.unified_kernels import bitwise_equal  # noqa: E402
+from areal_tik.unified_kernels import WarmupShapes, bitwise_equal, warmup  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul on the H200
 MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "llama-3.2-1b": "Llama-3.2-1B"}
@@ -236,14 +240,40 @@ def _timed(step, params, device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+class CompileCounter:
+    """Counts Triton JIT compilations in this process (a new key: compiled, or loaded from
+    the disk cache) through triton's post-compile hook; Inductor's kernels are not JIT
+    launches and are not counted."""
+
+    def __init__(self):
+        self.count = 0
+        self._previous = None
+
+    def _hook(self, **kwargs):
+        self.count += 1
+        return self._previous(**kwargs) if self._previous else None
+
+    def install(self) -> "CompileCounter":
+        self._previous = triton.knobs.runtime.jit_post_compile_hook
+        triton.knobs.runtime.jit_post_compile_hook = self._hook
+        return self
+
+
+COMPILES = CompileCounter()
+
+
 def measure(step, params, device, steps: int, warmup: int) -> dict:
-    """first-call ms, median/p20/p80 ms of ``steps`` after ``warmup``, peak memory (GiB)."""
+    """first-call ms, median/p20/p80 ms of ``steps`` after ``warmup``, peak memory (GiB),
+    Triton compilations in the first call and in every later one."""
+    before = COMPILES.count
     first = _timed(step, params, device)
+    after_first = COMPILES.count
     for _ in range(warmup):
         _timed(step, params, device)
     times = sorted(_timed(step, params, device) for _ in range(steps))
     out = {"first_ms": first, "median_ms": statistics.median(times),
-           "p20_ms": times[int(0.2 * (len(times) - 1))], "p80_ms": times[int(0.8 * (len(times) - 1))]}
+           "p20_ms": times[int(0.2 * (len(times) - 1))], "p80_ms": times[int(0.8 * (len(times) - 1))],
+           "compiles_first": after_first - before, "compiles_after_first": COMPILES.count - after_first}
     if torch.device(device).type == "cuda":
         _zero(params)
         torch.cuda.empty_cache()
@@ -291,11 +321,30 @@ def build_model(name: str, device):
     return hf
 
 
+def warmup_shapes(hf, spec: ModelSpec) -> WarmupShapes:
+    """Every projection weight of ``hf`` (the LM head aside), its norms, MLP and heads."""
+    lm = hf.get_output_embeddings().weight
+    linears = sorted({(m.out_features, m.in_features, m.bias is not None) for m in hf.modules()
+                      if isinstance(m, torch.nn.Linear) and m.weight is not lm})
+    norms = (spec.hidden, spec.head_dim) if spec.qk_norm else (spec.hidden,)
+    return WarmupShapes(tuple(linears), norms, (spec.intermediate,),
+                        (spec.n_heads, spec.n_kv_heads, spec.head_dim), tuple(lm.shape), dtype=lm.dtype)
+
+
+def run_warmup(hf, spec, max_rows: int, device) -> dict:
+    before, start = COMPILES.count, time.perf_counter()
+    warmup(warmup_shapes(hf, spec), max_rows, device)
+    _sync(device)
+    return {"warmup_ms": (time.perf_counter() - start) * 1e3, "warmup_compiles": COMPILES.count - before}
+
+
 def _fmt(m: dict) -> str:
     if "error" in m:
         return f"ERROR {m['error']}"
     peak = f", peak {m['peak_gib']:.1f} GiB" if "peak_gib" in m else ""
-    return f"{m['median_ms']:.1f} ms (first {m['first_ms']:.0f} ms{peak}, MFU {100 * m['mfu']:.1f}%)"
+    warm = f"warm-up {m['warmup_ms']:.0f} ms ({m['warmup_compiles']} JIT compiles), " if "warmup_ms" in m else ""
+    return (f"{m['median_ms']:.1f} ms ({warm}first {m['first_ms']:.0f} ms{peak}, MFU {100 * m['mfu']:.1f}%, "
+            f"JIT compiles first/after {m['compiles_first']}/{m['compiles_after_first']})")
 
 
 def run_case(model: str, pack: str, args, gather, liger, device) -> list[dict]:
@@ -311,7 +360,8 @@ def run_case(model: str, pack: str, args, gather, liger, device) -> list[dict]:
     results = {}
     for path, step in steps.items():
         try:
-            m = results[path] = measure(step, params, device, args.steps, args.warmup)
+            warm = run_warmup(hf, spec, sum(lengths), device) if path == "ours" and not args.no_warmup else {}
+            m = results[path] = {**measure(step, params, device, args.steps, args.warmup), **warm}
             m["tflops"] = flops / (m["median_ms"] * 1e-3) / 1e12
             m["mfu"] = m["tflops"] / PEAK_TFLOPS
         except Exception as exc:  # one failing path must not hide the others' numbers
@@ -342,6 +392,12 @@ def run_case(model: str, pack: str, args, gather, liger, device) -> list[dict]:
             for path, m in results.items() for key, value in m.items()]
 
 
+def _cache_entries() -> int:
+    """Kernels in Triton's disk cache: one folder per compiled key."""
+    root = Path(triton.knobs.cache.dir)
+    return sum(1 for _ in root.iterdir()) if root.is_dir() else 0
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "eval" / "results"), help="CSV file or folder")
@@ -351,6 +407,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first call")
     parser.add_argument("--quick", action="store_true", help="Qwen3-0.6B at the GRPO packing only")
     parser.add_argument("--warm-cache", action="store_true", help="keep the Triton/Inductor disk caches")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="no unified_kernels.warmup before ours (its first call then compiles)")
     args = parser.parse_args(argv)
     models = ["qwen3-0.6b"] if args.quick else args.models.split(",")
     packs = ["grpo"] if args.quick else args.packings.split(",")
@@ -362,6 +420,7 @@ def main(argv=None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     import transformers
     transformers.AttentionInterface.register(ATTN_NAME, _varlen_attention)
+    COMPILES.install()
     gather, gather_label = stock_logprob_fn()
     liger = liger_loss()
     notes = {"stock_attention": stock_attention_label(device), "stock_logprob": gather_label,
@@ -370,13 +429,17 @@ def main(argv=None) -> None:
              "transformers": transformers.__version__}
     for key, value in notes.items():
         print(f"{key}: {value}", flush=True)
+    entries_before = _cache_entries()
+    info = {**run_info(device), **notes}
     rows = []
     for name, pack in itertools.product(models, packs):
-        rows += run_case(name, pack, args, gather, liger, device)
+        rows += [{**info, **row} for row in run_case(name, pack, args, gather, liger, device)]
+        path = write_csv(rows, args.out, "bench_train.csv")  # after every case: a timeout keeps the rest
         torch.cuda.empty_cache() if device == "cuda" else None
-    info = {**run_info(device), **notes}
-    path = write_csv([{**info, **row} for row in rows], args.out, "bench_train.csv")
-    print(f"wrote {path}")
+    compiled = _cache_entries() - entries_before
+    print(f"triton_cache: {triton.knobs.cache.dir}: {compiled} kernels compiled into it by this run")
+    rows.append({**info, "path": "run", "metric": "triton_cache_new_kernels", "value": compiled})
+    print(f"wrote {write_csv(rows, args.out, 'bench_train.csv')}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
-#           bench_train
+#           bench_train bench_train_cache
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets); run dirs: $OUT/optimize_runs*.tgz
 # Each device call runs at most 10 minutes: pass the stages that fit.
@@ -70,6 +70,11 @@ for s in $STAGES; do case $s in
                         --ops attention --budget-s attention=420 ;;
   optimize_linear) run optimize_linear 570 python3 eval/optimize_gpu.py --out "$OUT/linear" \
                      --ops linear --budget-s linear=420 ;;
+  # The same recipe twice on one persistent Triton cache: the second run must compile nothing
+  # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
+  bench_train_cache) export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
+             run bench_train_run1 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
+             run bench_train_run2 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

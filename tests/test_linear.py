@@ -111,17 +111,19 @@ def test_backward_matches_fp64_reference(dtype, bias, device):
 
 def test_fp32_reductions_switches_off_reduced_precision_and_restores(device):
     matmul = torch.backends.cuda.matmul
-    saved = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    saved = [(getattr(matmul, n), getattr(matmul, n + "_split_k"))
+             for n in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")]
     try:
         matmul.allow_bf16_reduced_precision_reduction = True
-        matmul.allow_fp16_reduced_precision_reduction = True
+        matmul.allow_fp16_reduced_precision_reduction = (False, False)  # the split-K half comes back too
         with pytest.raises(RuntimeError, match="inside"):
             with fp32_reductions():
                 assert not matmul.allow_bf16_reduced_precision_reduction
                 assert not matmul.allow_fp16_reduced_precision_reduction
                 raise RuntimeError("inside")
         assert matmul.allow_bf16_reduced_precision_reduction
-        assert matmul.allow_fp16_reduced_precision_reduction
+        assert not matmul.allow_fp16_reduced_precision_reduction
+        assert not matmul.allow_fp16_reduced_precision_reduction_split_k
     finally:
         matmul.allow_bf16_reduced_precision_reduction = saved[0]
         matmul.allow_fp16_reduced_precision_reduction = saved[1]
@@ -501,10 +503,11 @@ def test_gpu_training_backward_on_tensor_cores_deterministic_and_accurate():
         return [v.grad for v in leaves]
 
     first = grads()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
         second = grads()
-    names = {evt.name for evt in prof.events()}
-    assert len(names) >= 2, f"the profiler saw no backward GEMMs: {sorted(names)}"
+    names = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
+    assert len(names) >= 3, f"the profiler saw no backward kernels: {sorted(names)}"
     fp32 = sorted(name for name in names if any(key in name.lower() for key in _FP32_GEMM_KERNELS))
     assert not fp32, f"fp32 GEMMs in the bf16 backward: {fp32}"
     for a, c, name in zip(first, second, "xwb"):

@@ -340,10 +340,11 @@ def test_gpu_backward_and_determinism():
         return h.grad, w.grad
 
     first = grads()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
         second = grads()
         torch.cuda.synchronize()
-    names = {evt.name for evt in prof.events()}
+    names = {evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA}
     # cuBLAS kernels with fp32 operands (SIMT sgemm, xmma gemm_f32f32_*) must not run:
     # every backward GEMM takes the bf16 operands to the tensor cores.
     fp32 = sorted(n for n in names if "sgemm" in n.lower() or "gemm_f32f32" in n.lower())

@@ -24,6 +24,7 @@ Functional API (bf16 or fp32 activations; CUDA tensors, or CPU tensors under
 - ``attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)`` attention.py
 - ``attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables,
   query_starts, softmax_scale)`` attention.py (rows starting past position 0)
+- ``warmup(WarmupShapes(...), max_rows, device)``: compile every launch variant at start-up  warmup.py
 
 The embedding lookup stays a torch gather (``weight[ids]``): it copies bits and is
 exact in every regime, so it needs no kernel.
@@ -42,10 +43,12 @@ from .logprob import gather_logprobs, lm_head_logits_lse, token_logprobs
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin
 from .swiglu import silu_mul
+from .warmup import WarmupShapes, warmup
 
 __all__ = [
     "bits", "bitwise_equal",
     "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
     "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
     "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
+    "WarmupShapes", "warmup",
 ]

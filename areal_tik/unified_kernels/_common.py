@@ -81,14 +81,24 @@ def fp32_reductions():
     GEMM call, so it is switched off for the block and restored (also on error).
     """
     matmul = torch.backends.cuda.matmul
-    saved = [matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction]
-    matmul.allow_bf16_reduced_precision_reduction = False
-    matmul.allow_fp16_reduced_precision_reduction = False
+    names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    saved = [_reduction_setting(matmul, name) for name in names]
+    for name in names:
+        setattr(matmul, name, False)
     try:
         yield
     finally:
-        matmul.allow_bf16_reduced_precision_reduction = saved[0]
-        matmul.allow_fp16_reduced_precision_reduction = saved[1]
+        for name, value in zip(names, saved):
+            setattr(matmul, name, value)
+
+
+def _reduction_setting(matmul, name: str):
+    """The setting as torch takes it back: (allow, allow_split_k) where this torch has the
+    split-K half (2.9+), else the bool."""
+    try:
+        return getattr(matmul, name), getattr(matmul, name + "_split_k")
+    except AttributeError:
+        return getattr(matmul, name)
 
 
 def grad_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

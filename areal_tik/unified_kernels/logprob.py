@@ -55,7 +55,10 @@ def _merge(m, s, u, m2, s2, u2, ENTROPY: tl.constexpr):
     return m_new, s, u
 
 
-@triton.jit
+# Token counts (and the backward's chunk bounds, which follow T) are data: left
+# unspecialised, so one kernel serves every T (Triton would key on T == 1 and T % 16).
+# They bound masks and loops only, never an arithmetic step.
+@triton.jit(do_not_specialize=["T"])
 def _lse_partial_kernel(
     hidden_ptr,   # [T, H] bf16/fp32
     weight_ptr,   # [V, H] same dtype
@@ -139,7 +142,7 @@ def _lse_partial_kernel(
         tl.store(tz_ptr + rows64, tz, mask=row_ok & (tgt >= v_begin) & (tgt < v_end))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_kernel(
     state_ptr,    # [3, n_splits, T] fp32 from _lse_partial_kernel
     tz_ptr,       # [T] fp32 target z
@@ -177,7 +180,7 @@ def _combine_kernel(
         tl.store(ent_ptr + rows64, log_s - tl.math.div_rn(u, s), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "C", "v0"])
 def _dz_kernel(
     logits_ptr,   # [T, C] weight dtype: recomputed logits of vocabulary chunk [v0, v0 + C)
     lse_ptr, ent_ptr, glp_ptr, gent_ptr,  # [T] fp32

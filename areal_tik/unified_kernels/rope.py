@@ -127,7 +127,9 @@ def _rotate_heads(
     tl.store(o + HALF, cast_rne(out_hi, o_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_tokens"])
+# n_tokens is data; max_pos (the table's rows) is only a bounds check: neither is
+# specialised, so one kernel serves every token count and table (warm-up uses any table).
+@triton.jit(do_not_specialize=["n_tokens", "max_pos"])
 def _rope_kernel(
     q_ptr,  # [T, HQ, D] queries (strides stride_qt, stride_qh, 1)
     k_ptr,  # [T, HK, D] keys (strides stride_kt, stride_kh, 1)

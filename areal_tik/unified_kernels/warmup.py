@@ -1,0 +1,202 @@
+"""Warm-up: compile every kernel variant a model's rollout and training launch, at start-up.
+
+Triton compiles a kernel the first time it meets a new key: the constexprs, the launch
+options and, per runtime argument, its type and a specialisation (an int equal to 1
+becomes a constant; an int divisible by 16 and a 16-byte aligned pointer get a
+divisibility hint). The ops of linear.py, logprob.py, rms_norm.py, swiglu.py and rope.py
+keep their data-dependent integers (row and token counts, chunk bounds) out of the key
+(``do_not_specialize``) and launch on aligned buffers, so their keys change with the row
+count only where the schedule does: linear's row buckets (one tile config per bucket) and
+its ``MASK_ROWS`` flag below one tile of rows. ``linear_row_variants`` lists those
+exactly; ``warmup`` runs each op once per variant on zero inputs. Attention's launchers
+pass the token and sequence counts as specialised ints (``T``, ``num_seqs`` and the LSE
+row stride): ``warm_attention`` runs one packing per class of those values (1, a multiple
+of 16, any other), so they are compiled at start-up too.
+
+Where compiled kernels live: Triton's on-disk cache, ``$TRITON_CACHE_DIR`` (default
+``~/.triton/cache``), one folder per key hash holding the binary and its metadata. A
+later process with the same Triton, GPU type, kernel source and key loads the binary from
+there instead of compiling, so a second run of the same recipe compiles nothing; keep the
+folder on a persistent disk (mount it into containers) to carry it between runs.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import importlib
+import itertools
+import os
+from typing import Callable
+
+import torch
+
+from ._common import FLOAT_DTYPES, interpreting
+from .attention import attention_varlen
+
+# The op modules (the package attributes ``linear`` and ``rms_norm`` are the functions).
+_linear, _logprob, _rms, _rope, _swiglu = (importlib.import_module(f".{name}", __package__)
+                                           for name in ("linear", "logprob", "rms_norm", "rope", "swiglu"))
+
+_EPS = 1e-6
+_INDEX_DTYPES = (torch.int32, torch.int64)  # positions / targets arrive as either
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupShapes:
+    """What a model launches. ``linears``: every distinct projection weight ``(N, K,
+    has_bias)``; ``norms``: RMSNorm widths (hidden, and head_dim for per-head q/k norms);
+    ``intermediates``: SwiGLU widths I; ``heads``: (q heads, kv heads, head_dim);
+    ``lm_head``: (V, H)."""
+    linears: tuple[tuple[int, int, bool], ...]
+    norms: tuple[int, ...]
+    intermediates: tuple[int, ...]
+    heads: tuple[int, int, int]
+    lm_head: tuple[int, int]
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {self.dtype}")
+        ints = [v for n, k, _ in self.linears for v in (n, k)] + list(self.norms)
+        ints += list(self.intermediates) + list(self.heads) + list(self.lm_head)
+        if not self.linears or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in ints):
+            raise ValueError(f"every shape must be a positive int (and linears non-empty), got {self}")
+        hq, hk, _ = self.heads
+        if hq % hk:
+            raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+
+
+def linear_row_variants(n: int, k: int, dtype: torch.dtype, max_rows: int, tma: bool = True) -> list[int]:
+    """The smallest row count of each launch variant of an ``[n, k]`` linear in
+    ``[1, max_rows]``: a variant is (tile config, rows < BLOCK_M), all the key sees of M."""
+    variants: dict = {}
+    for rows in range(1, max_rows + 1):
+        cfg = _linear.select_config(rows, n, k, dtype, tma=tma)
+        variants.setdefault((cfg, rows < cfg.block_m), rows)
+    return sorted(variants.values())
+
+
+def warm_linear(linears, max_rows: int, dtype, device) -> list[Callable]:
+    """Forward at every row variant of every weight (the backward is cuBLAS: nothing to compile)."""
+    tasks = []
+    for n, k, has_bias in dict.fromkeys(linears):
+        w = torch.zeros(n, k, dtype=dtype, device=device)
+        b = torch.zeros(n, dtype=dtype, device=device) if has_bias else None
+        x = torch.zeros(max_rows, k, dtype=dtype, device=device)
+        for rows in linear_row_variants(n, k, dtype, max_rows, tma=_linear.tma_compatible(x, w)):
+            tasks.append(functools.partial(_linear.linear_forward, x[:rows], w, b))
+    return tasks
+
+
+def warm_norms(norms, dtype, device, training: bool) -> list[Callable]:
+    """RMSNorm with and without the residual add; backward with and without the residual grad."""
+    tasks = []
+    for h in dict.fromkeys(norms):
+        x, r, dy = (torch.zeros(2, h, dtype=dtype, device=device) for _ in range(3))
+        w = torch.ones(h, dtype=dtype, device=device)
+        tasks += [functools.partial(_rms._forward, x, None, w, _EPS), functools.partial(_rms._forward, x, r, w, _EPS)]
+        if training:
+            tasks += [functools.partial(_rms._backward, x, dy, None, w, _EPS),
+                      functools.partial(_rms._backward, x, dy, r, w, _EPS)]
+    return tasks
+
+
+def warm_swiglu(intermediates, dtype, device, training: bool) -> list[Callable]:
+    tasks = []
+    for i in dict.fromkeys(intermediates):
+        gate_up = torch.zeros(2, 2 * i, dtype=dtype, device=device)
+        tasks.append(functools.partial(_swiglu._forward, gate_up))
+        if training:
+            tasks.append(functools.partial(_swiglu._backward, gate_up, torch.zeros(2, i, dtype=dtype, device=device)))
+    return tasks
+
+
+def warm_rope(heads, dtype, device, training: bool) -> list[Callable]:
+    hq, hk, d = heads
+    q = torch.zeros(2, hq, d, dtype=dtype, device=device)
+    k = torch.zeros(2, hk, d, dtype=dtype, device=device)
+    cos = torch.ones(4, d // 2, dtype=torch.float32, device=device)
+    return [functools.partial(_rope._launch, q, k, torch.zeros(2, dtype=index_dtype, device=device), cos, cos,
+                              backward=backward)
+            for index_dtype in _INDEX_DTYPES for backward in ((False, True) if training else (False,))]
+
+
+def _logprob_step(hidden, weight, targets, entropy: bool, training: bool) -> None:
+    _, ent, lse, _ = _logprob._forward(hidden, weight, targets, 1.0, entropy, False)
+    if training:
+        grad = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        _logprob._backward(hidden, weight, targets, 1.0, lse, ent, grad, grad if entropy else None, True, True)
+
+
+def warm_logprob(lm_head, dtype, device, training: bool, sampling: bool) -> list[Callable]:
+    """token_logprobs with and without entropy (and its backward) for int32 and int64
+    targets; the sampler's logits + LSE launch."""
+    v, h = lm_head
+    hidden = torch.zeros(2, h, dtype=dtype, device=device)
+    weight = torch.zeros(v, h, dtype=dtype, device=device)
+    tasks = [functools.partial(_logprob_step, hidden, weight, torch.zeros(2, dtype=index_dtype, device=device),
+                               entropy, training)
+             for index_dtype in _INDEX_DTYPES for entropy in (False, True)]
+    if sampling:
+        tasks.append(functools.partial(_logprob._forward, hidden, weight, None, 1.0, False, True))
+    return tasks
+
+
+# Packings (sequence lengths) covering each class of (num_seqs, T) the attention key sees:
+# 1, a multiple of 16, any other value.
+_ATTENTION_PACKINGS = ((1,), (16,), (17,), (1, 15), (1, 16), (16,) * 16, (2,) + (1,) * 15, (1,) * 17)
+
+
+def _attention_step(lengths, heads, dtype, device, training: bool) -> None:
+    hq, hk, d = heads
+    t = sum(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    q = torch.zeros(t, hq, d, dtype=dtype, device=device, requires_grad=training)
+    k = torch.zeros(t, hk, d, dtype=dtype, device=device, requires_grad=training)
+    v = torch.zeros(t, hk, d, dtype=dtype, device=device, requires_grad=training)
+    with torch.set_grad_enabled(training):
+        out = attention_varlen(q, k, v, cu, max(lengths), d ** -0.5)
+        if training:
+            out.sum().backward()
+
+
+def warm_attention(heads, dtype, device, training: bool) -> list[Callable]:
+    return [functools.partial(_attention_step, lengths, heads, dtype, device, training)
+            for lengths in _ATTENTION_PACKINGS]
+
+
+def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True,
+           sampling: bool = True, attention: bool = True, workers: int | None = None) -> dict[str, int]:
+    """Run every op of ``shapes`` once per launch variant for 1..``max_rows`` rows
+    (``max_rows``: the most tokens one forward will see: micro-batch tokens in training,
+    the prefill chunk in rollout). Returns the number of launches per op family.
+
+    The launches run on ``workers`` threads (default: up to 8, one per CPU core), so the
+    compilations they trigger overlap (Triton's compiler and ptxas run outside the GIL);
+    the interpreter patches triton.language while a kernel runs, so there it is 1.
+    """
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    dtype = shapes.dtype
+    tasks = {
+        "linear": warm_linear(shapes.linears, max_rows, dtype, device),
+        "rms_norm": warm_norms(shapes.norms, dtype, device, training),
+        "swiglu": warm_swiglu(shapes.intermediates, dtype, device, training),
+        "rope": warm_rope(shapes.heads, dtype, device, training),
+        "logprob": warm_logprob(shapes.lm_head, dtype, device, training, sampling),
+        "attention": warm_attention(shapes.heads, dtype, device, training) if attention else [],
+    }
+    if workers is None:
+        workers = 1 if interpreting() else max(1, min(8, os.cpu_count() or 1))
+    flat = [task for family in tasks.values() for task in family]
+    if workers == 1:
+        for task in flat:
+            task()
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(task) for task in flat]:
+                future.result()  # re-raises a task's error here
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return {name: len(family) for name, family in tasks.items()}

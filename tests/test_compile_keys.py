@@ -1,0 +1,238 @@
+"""No compilation after start-up: Triton launch keys do not follow the row count, and the
+warm-up launches every key a later step uses.
+
+Triton (3.6) keys a compiled kernel on its constexprs, its launch options and, per runtime
+argument, a type and a specialisation (an int equal to 1 becomes a constant; an int
+divisible by 16 or a 16-byte aligned pointer gets a divisibility hint). Here every launch
+of the unified ops is intercepted under the interpreter (the launch itself is skipped:
+only its arguments matter) and keyed with Triton's own binder, the function the GPU JIT
+computes its cache key with. Row and token counts cross 1, multiples of 16 and others.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import BaseBackend
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from areal_tik import unified_kernels as U
+
+W = importlib.import_module("areal_tik.unified_kernels.warmup")
+
+MODULES = ("linear", "logprob", "rms_norm", "swiglu", "rope", "_attention_fwd", "_attention_bwd", "attention")
+ROWS = (1, 2, 15, 16, 17, 32, 33)
+_JIT_OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline",
+                "repr", "launch_metadata")
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # launches are intercepted on either
+
+
+def _kernels():
+    for name in MODULES:
+        module = importlib.import_module(f"areal_tik.unified_kernels.{name}")
+        for value in vars(module).values():
+            if isinstance(value, (InterpretedFunction, JITFunction)):
+                yield value
+
+
+def launch_key(kernel, args, kwargs) -> tuple:
+    """The cache key the GPU JIT computes for this launch (kernel name included)."""
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(
+        kernel.fn, **{k: v for k, v in kernel.kwargs.items() if k in _JIT_OPTIONS})
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    _, specialization, options = binder(*args, **kwargs)
+    return kernel.fn.__name__, repr(specialization), repr(sorted(options.items()))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """A list that receives the key of every unified kernel launch; the launches do not run."""
+    seen = []
+    for kernel in set(_kernels()):
+        def run(*args, grid, warmup, _kernel=kernel, **kwargs):
+            seen.append(launch_key(_kernel, args, kwargs))
+        monkeypatch.setattr(kernel, "run", run)
+    return seen
+
+
+def _z(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE, requires_grad=grad)
+
+
+def _step_ops(rows: int, index_dtype=torch.int64) -> None:
+    """Forward + backward of every op whose launch keys must not follow ``rows``."""
+    x = _z(rows, 32, grad=True)
+    normed, summed = U.add_rms_norm(x, _z(rows, 32), _z(32, grad=True), 1e-6)
+    head = U.rms_norm(_z(rows * 2, 16, grad=True), _z(16, grad=True), 1e-6)
+    act = U.silu_mul(_z(rows, 48, grad=True))
+    cos, sin = U.rope_cos_sin(64, 16, device=DEVICE)
+    q, k = U.apply_rope(_z(rows, 4, 16, grad=True), _z(rows, 2, 16, grad=True),
+                        torch.arange(rows, dtype=index_dtype, device=DEVICE), cos, sin)
+    targets = torch.zeros(rows, dtype=index_dtype, device=DEVICE)
+    lp, ent = U.token_logprobs(normed, _z(300, 32, grad=True), targets, 0.7, return_entropy=True)
+    loss = lp.sum() + ent.sum() + summed.float().sum() + head.float().sum() + act.float().sum()
+    (loss + q.float().sum() + k.float().sum()).backward()
+    U.token_logprobs(_z(rows, 32), _z(300, 32), targets)
+    U.lm_head_logits_lse(_z(rows, 32), _z(300, 32))
+
+
+@triton.jit
+def _probe_kernel(x_ptr, n):
+    tl.store(x_ptr + tl.arange(0, 16), tl.zeros([16], tl.float32), mask=tl.arange(0, 16) < n)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _probe_pinned_kernel(x_ptr, n):
+    tl.store(x_ptr + tl.arange(0, 16), tl.zeros([16], tl.float32), mask=tl.arange(0, 16) < n)
+
+
+def test_negative_control_the_key_sees_an_unpinned_int_and_alignment():
+    x = torch.zeros(32, device=DEVICE)
+    keys = {n: launch_key(_probe_kernel, (x, n), {}) for n in (1, 2, 16, 17, 32)}
+    assert keys[1] != keys[2] and keys[16] != keys[17] and keys[2] == keys[17] and keys[16] == keys[32]
+    assert launch_key(_probe_kernel, (x[1:], 2), {}) != keys[2]  # a pointer off 16-byte alignment
+    pinned = {launch_key(_probe_pinned_kernel, (x, n), {}) for n in (1, 2, 16, 17, 32)}
+    assert len(pinned) == 1
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_pointwise_and_logprob_keys_do_not_depend_on_row_count(launches, index_dtype):
+    keys_per_rows = {}
+    for rows in ROWS:
+        launches.clear()
+        _step_ops(rows, index_dtype)
+        keys_per_rows[rows] = sorted(set(launches))
+    first = keys_per_rows[ROWS[0]]
+    names = {key[0] for key in first}
+    assert {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_silu_mul_fwd_kernel", "_silu_mul_bwd_kernel",
+            "_rope_kernel", "_lse_partial_kernel", "_combine_kernel", "_dz_kernel"} <= names
+    for rows, keys in keys_per_rows.items():
+        assert keys == first, f"{rows} rows launch other keys than {ROWS[0]}: {set(keys) ^ set(first)}"
+
+
+def test_linear_keys_change_only_with_the_tile_schedule(launches):
+    L = importlib.import_module("areal_tik.unified_kernels.linear")
+    w, b = _z(24, 40), _z(24)
+    by_variant: dict = {}
+    for rows in range(1, 41):  # crosses the interpreter's buckets (4, 32 rows) and BLOCK_M
+        launches.clear()
+        U.linear(_z(rows, 40), w, b)
+        cfg = L.select_config(rows, 24, 40, torch.bfloat16)
+        by_variant.setdefault((cfg, rows < cfg.block_m), set()).update(launches)
+    assert all(len(keys) == 1 for keys in by_variant.values()), by_variant
+    assert len({next(iter(keys)) for keys in by_variant.values()}) == len(by_variant)
+
+
+def test_warmup_launches_every_key_a_later_step_uses(launches):
+    shapes = U.WarmupShapes(linears=((24, 40, True), (40, 24, False)), norms=(32, 16), intermediates=(24,),
+                            heads=(4, 2, 16), lm_head=(300, 32))
+    counts = U.warmup(shapes, max_rows=40, device=DEVICE, workers=1)
+    warmed = set(launches)
+    assert counts["linear"] == sum(len(W.linear_row_variants(n, k, torch.bfloat16, 40)) for n, k, _ in shapes.linears)
+    w1, b1, w2 = _z(24, 40), _z(24), _z(40, 24)
+    for rows in (1, 3, 5, 16, 17, 33, 40):
+        launches.clear()
+        with torch.no_grad():
+            U.linear(U.linear(_z(rows, 40), w1, b1), w2)
+        for index_dtype in (torch.int64, torch.int32):
+            _step_ops(rows, index_dtype)
+        assert set(launches) <= warmed, f"{rows} rows compile new keys: {set(launches) - warmed}"
+
+
+@pytest.mark.parametrize("lengths", [(3,), (5, 7), (16, 16), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)])
+def test_warmup_covers_attention_packings(launches, lengths):
+    for task in W.warm_attention((4, 2, 16), torch.bfloat16, DEVICE, training=True):
+        task()
+    warmed = set(launches)
+    launches.clear()
+    t = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, v = _z(t, 4, 16, grad=True), _z(t, 2, 16, grad=True), _z(t, 2, 16, grad=True)
+    U.attention_varlen(q, k, v, cu, max(lengths), 0.25).sum().backward()
+    assert launches and set(launches) <= warmed, set(launches) - warmed
+
+
+def test_warmup_on_worker_threads_runs_every_task(monkeypatch):
+    # The GPU default runs the tasks on a thread pool. The interpreter cannot run kernels
+    # on two threads at once, so here each task is replaced by a recorder: every task runs
+    # once, and an error in one reaches the caller.
+    calls = []
+    shapes = U.WarmupShapes(linears=((24, 40, True),), norms=(32,), intermediates=(24,), heads=(4, 2, 16),
+                            lm_head=(300, 32))
+    for family in ("warm_linear", "warm_norms", "warm_swiglu", "warm_rope", "warm_logprob", "warm_attention"):
+        original = getattr(W, family)
+        monkeypatch.setattr(W, family, lambda *a, _o=original, **k: [
+            (lambda _t=t: calls.append(_t)) for t in _o(*a, **k)])
+    counts = U.warmup(shapes, max_rows=40, device="cpu", workers=2)
+    assert len(calls) == sum(counts.values()) and counts["attention"] == len(W._ATTENTION_PACKINGS)
+    with pytest.raises(ValueError, match="boom"):
+        monkeypatch.setattr(W, "warm_rope", lambda *a, **k: [lambda: (_ for _ in ()).throw(ValueError("boom"))])
+        U.warmup(shapes, max_rows=4, device="cpu", workers=2)
+
+
+def test_warmup_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="positive int"):
+        U.WarmupShapes(linears=((0, 4, False),), norms=(4,), intermediates=(4,), heads=(2, 1, 4), lm_head=(8, 4))
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        U.WarmupShapes(linears=((4, 4, False),), norms=(4,), intermediates=(4,), heads=(3, 2, 4), lm_head=(8, 4))
+    with pytest.raises(TypeError, match="dtype"):
+        U.WarmupShapes(linears=((4, 4, False),), norms=(4,), intermediates=(4,), heads=(2, 1, 4), lm_head=(8, 4),
+                       dtype=torch.float16)
+    shapes = U.WarmupShapes(linears=((4, 4, False),), norms=(4,), intermediates=(4,), heads=(2, 1, 4), lm_head=(8, 4))
+    with pytest.raises(ValueError, match="max_rows"):
+        U.warmup(shapes, max_rows=0, device="cpu")
+
+
+def test_rope_key_does_not_depend_on_the_table_length(launches):
+    # warm_rope uses a 4-row table; models use their max_position_embeddings.
+    keys = set()
+    for max_positions in (4, 17, 32, 40960):
+        launches.clear()
+        cos, sin = U.rope_cos_sin(max_positions, 16, device=DEVICE)
+        U.apply_rope(_z(3, 4, 16), _z(3, 2, 16), torch.arange(3, device=DEVICE), cos, sin)
+        keys.update(launches)
+    assert len(keys) == 1, keys
+
+
+@pytest.mark.gpu
+def test_gpu_no_jit_compilation_after_warmup():
+    """The real JIT: after ``warmup``, forward + backward at other row counts and packings
+    compile nothing (Triton's post-compile hook sees every new key, disk-cached or not)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    shapes = U.WarmupShapes(linears=((2048, 1024, False), (1024, 2048, True)), norms=(1024, 128),
+                            intermediates=(3072,), heads=(16, 8, 128), lm_head=(151936, 1024))
+    U.warmup(shapes, max_rows=2048, device=dev)
+    w1, w2, b2 = (torch.randn(*s, device=dev, dtype=bf16, requires_grad=True) * 0.02 for s in ((2048, 1024),
+                                                                                               (1024, 2048), (1024,)))
+    wn, wh = torch.ones(1024, device=dev, dtype=bf16), torch.ones(128, device=dev, dtype=bf16)
+    lm = torch.randn(151936, 1024, device=dev, dtype=bf16) * 0.02
+    cos, sin = U.rope_cos_sin(40960, 128, base=1e6, device=dev)
+    compiled = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        for rows in (1, 7, 64, 65, 300, 1024, 1025, 2048):
+            x = torch.randn(rows, 1024, device=dev, dtype=bf16, requires_grad=True)
+            h = U.linear(x, w1)
+            y = U.linear(h, w2, b2)
+            normed, summed = U.add_rms_norm(y, x, wn, 1e-6)
+            head = U.rms_norm(h.reshape(-1, 128), wh, 1e-6)
+            act = U.silu_mul(torch.randn(rows, 6144, device=dev, dtype=bf16, requires_grad=True))
+            q, k = U.apply_rope(h.view(rows, 16, 128), y.view(rows, 8, 128), torch.arange(rows, device=dev), cos, sin)
+            lengths = [rows] if rows == 1 else [rows // 2, rows - rows // 2]
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            attn = U.attention_varlen(q, k, y.view(rows, 8, 128), cu, max(lengths), 128 ** -0.5)
+            lp, ent = U.token_logprobs(normed, lm, torch.zeros(rows, dtype=torch.int64, device=dev), 1.0, True)
+            loss = lp.sum() + ent.sum() + summed.float().sum() + head.float().sum() + act.float().sum()
+            (loss + attn.float().sum()).backward()
+            U.lm_head_logits_lse(normed.detach(), lm)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert not compiled, f"compiled after warm-up: {compiled}"
