@@ -196,3 +196,27 @@ def test_bad_paged_prefill_input_raises(device):
         attention_paged_prefill(q, cache.k, cache.v, cu, 8, table, starts(0).long())
     with pytest.raises(ValueError, match="max_seqlen"):
         attention_paged_prefill(q, cache.k, cache.v, cu, 4, table, starts(0))
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hk,dim", [(16, 8, 128), (32, 8, 64)])
+def test_gpu_chunks_equal_cold_prefill(hq, hk, dim):
+    """Chunk boundaries next to the 64-row tile, the 128-row program and the 1024 split."""
+    _chunked_equals_cold("cuda", hq, hk, dim, torch.bfloat16, 3000,
+                         [1, 63, 64, 65, 200, 1023, 1024, 1025, 2047, 2100, 2999])
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_hit_and_mixed_batch():
+    lengths = [2500, 1500, 700]
+    seqs = [_qkv(n, 16, 8, 128, torch.bfloat16, "cuda", seed=70 + i) for i, n in enumerate(lengths)]
+    cold = _cold(seqs)
+    cache = ChunkedCache(lengths, 8, 128, torch.bfloat16, "cuda", block_size=64, seed=8)
+    first = [(0, 0, 1030), (1, 0, 1), (2, 0, 700)]
+    second = [(1, 1, 1500), (0, 1030, 2500)]
+    for pieces in (first, second):
+        for (s, a, b), out in zip(pieces, cache.chunks(pieces, seqs)):
+            assert_bitwise(out, cold[s][a:b], f"seq {s} [{a}, {b})")
