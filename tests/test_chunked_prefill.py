@@ -107,3 +107,29 @@ def test_bad_prefix_and_chunk_config_raises():
         EngineConfig(enable_prefix_caching=1)
     cfg = EngineConfig(kv_block_size=16, prefill_chunk_tokens=16, enable_prefix_caching=True)
     assert cfg.prefill_chunk_tokens == 16 and cfg.enable_prefix_caching
+
+
+def test_chunked_steps_mix_decode_rows_and_prompt_chunks():
+    """A 12-token prompt arriving while a sequence decodes is computed 4 tokens a step in
+    the same steps as the decode row; it samples only once its last chunk is done."""
+    from areal_tik.engine.scheduler import Scheduler
+
+    config = EngineConfig(max_num_seqs=4, max_model_len=32, kv_block_size=4, num_kv_blocks=20,
+                          prefill_chunk_tokens=4)
+    sched = Scheduler(config, BlockManager(20, 4), eos_token_ids=[0])
+    first = Sequence(0, [5, 6, 7], SamplingParams(max_new_tokens=8), 0)
+    sched.add(first)
+    batch, has_prefill = sched.schedule()
+    assert batch == [first] and has_prefill and first.num_scheduled_tokens == 3
+    sched.postprocess(batch, [9], [-1.0], version=0)
+    late = Sequence(1, list(range(3, 15)), SamplingParams(max_new_tokens=8), 1)
+    sched.add(late)
+    for step in range(3):
+        batch, has_prefill = sched.schedule()
+        assert batch == [late, first] and has_prefill
+        assert (late.num_computed_tokens, late.num_scheduled_tokens, first.num_scheduled_tokens) == (4 * step, 4, 1)
+        sampled = [9, 9] if step == 2 else [9]  # rows in sampling order: finished chunks, then decodes
+        sched.postprocess(batch, sampled, [-1.0] * len(sampled), version=0)
+    assert late.output_ids == [9] and first.output_ids == [9] * 4
+    batch, has_prefill = sched.schedule()
+    assert batch == [first, late] and not has_prefill  # both decode now, in running order
