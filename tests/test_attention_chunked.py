@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from areal_tik.unified_kernels import attention as attn_mod
+from areal_tik.unified_kernels._attention_fwd import FwdConfig
 from areal_tik.unified_kernels.attention import (attention_decode, attention_paged_prefill,
                                                  attention_varlen, store_kv_cache)
 from tests._bits import assert_bitwise
@@ -241,3 +242,12 @@ def test_standard_paged_prefill_matches_float64_reference(device):
     out = std(q, cache.k, cache.v, _cu([28, 20], device), 28, cache.table_rows([0, 1]),
               torch.tensor([17, 0], dtype=torch.int32, device=device))
     assert rel_err(out[:28], refs[0][17:]) < 1e-2 and rel_err(out[28:], refs[1]) < 1e-2
+
+
+def test_paged_prefill_refuses_programs_wider_than_a_split(device):
+    seqs = [_qkv(20, 4, 2, 16, torch.bfloat16, device, seed=9)]
+    cache = ChunkedCache([20], 2, 16, torch.bfloat16, device, seed=6)
+    wide = FwdConfig(block_m=64, block_n=16, num_warps=4, kv_split=32)
+    with pytest.raises(ValueError, match="kv_split to be a multiple of its 64 program rows"):
+        attention_paged_prefill(seqs[0][0][:8], cache.k, cache.v, _cu([8], device), 8, cache.table_rows([0]),
+                                torch.tensor([0], dtype=torch.int32, device=device), config=wide)
