@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
-#   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout
+#   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout bench_prefix
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_cache
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
@@ -49,6 +49,7 @@ for s in $STAGES; do case $s in
            run "check_$m" 150 python3 -m areal_tik.cli check --model "$m" --num-prompts 64 --max-new-tokens 256 --no-progress
          done ;;
   bench_rollout) run bench_rollout 300 python3 eval/bench_rollout.py --out "$W/csv" ;;
+  bench_prefix) run bench_prefix 300 python3 eval/bench_prefix.py --out "$W/csv" ;;  # about 4 minutes
   stage) mkdir -p "$STAGE" && cp .carry/part* "$STAGE"/ && ls -la "$STAGE" ;;
   deps) run deps 300 bash -c "set -e; mkdir -p $STAGE/wheels; cat $STAGE/part* | tar xf - -C $STAGE/wheels; \
           cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \

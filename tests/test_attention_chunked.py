@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from areal_tik.unified_kernels import attention as attn_mod
+from areal_tik.unified_kernels._attention_fwd import FwdConfig
 from areal_tik.unified_kernels.attention import (attention_decode, attention_paged_prefill,
                                                  attention_varlen, store_kv_cache)
 from tests._bits import assert_bitwise
@@ -196,3 +197,57 @@ def test_bad_paged_prefill_input_raises(device):
         attention_paged_prefill(q, cache.k, cache.v, cu, 8, table, starts(0).long())
     with pytest.raises(ValueError, match="max_seqlen"):
         attention_paged_prefill(q, cache.k, cache.v, cu, 4, table, starts(0))
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hk,dim", [(16, 8, 128), (32, 8, 64)])
+def test_gpu_chunks_equal_cold_prefill(hq, hk, dim):
+    """Chunk boundaries next to the 64-row tile, the 128-row program and the 1024 split."""
+    _chunked_equals_cold("cuda", hq, hk, dim, torch.bfloat16, 3000,
+                         [1, 63, 64, 65, 200, 1023, 1024, 1025, 2047, 2100, 2999])
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_hit_and_mixed_batch():
+    lengths = [2500, 1500, 700]
+    seqs = [_qkv(n, 16, 8, 128, torch.bfloat16, "cuda", seed=70 + i) for i, n in enumerate(lengths)]
+    cold = _cold(seqs)
+    cache = ChunkedCache(lengths, 8, 128, torch.bfloat16, "cuda", block_size=64, seed=8)
+    first = [(0, 0, 1030), (1, 0, 1), (2, 0, 700)]
+    second = [(1, 1, 1500), (0, 1030, 2500)]
+    for pieces in (first, second):
+        for (s, a, b), out in zip(pieces, cache.chunks(pieces, seqs)):
+            assert_bitwise(out, cold[s][a:b], f"seq {s} [{a}, {b})")
+
+
+def test_standard_paged_prefill_matches_float64_reference(device):
+    """The standard-ops twin (the benchmarks' baseline, not batch invariant): each chunk
+    within bf16 tolerance of the float64 reference over the whole sequence."""
+    from areal_tik.model.ops import get_ops
+    from areal_tik.unified_kernels import reference
+    from tests._bits import rel_err
+
+    std = get_ops("standard").attention_paged_prefill
+    lengths = [45, 20]
+    seqs = [_qkv(n, 4, 2, 16, torch.bfloat16, device, seed=95 + i) for i, n in enumerate(lengths)]
+    refs = [reference.attention(q, k, v, _cu([q.shape[0]], device)) for q, k, v in seqs]
+    cache = ChunkedCache(lengths, 2, 16, torch.bfloat16, device, seed=7)
+    for s, (q, k, v) in enumerate(seqs):
+        cache.store(s, k, v, 0)
+    pieces = [(0, 17, 45), (1, 0, 20)]
+    q = torch.cat([seqs[s][0][a:b] for s, a, b in pieces])
+    out = std(q, cache.k, cache.v, _cu([28, 20], device), 28, cache.table_rows([0, 1]),
+              torch.tensor([17, 0], dtype=torch.int32, device=device))
+    assert rel_err(out[:28], refs[0][17:]) < 1e-2 and rel_err(out[28:], refs[1]) < 1e-2
+
+
+def test_paged_prefill_refuses_programs_wider_than_a_split(device):
+    seqs = [_qkv(20, 4, 2, 16, torch.bfloat16, device, seed=9)]
+    cache = ChunkedCache([20], 2, 16, torch.bfloat16, device, seed=6)
+    wide = FwdConfig(block_m=64, block_n=16, num_warps=4, kv_split=32)
+    with pytest.raises(ValueError, match="kv_split to be a multiple of its 64 program rows"):
+        attention_paged_prefill(seqs[0][0][:8], cache.k, cache.v, _cu([8], device), 8, cache.table_rows([0]),
+                                torch.tensor([0], dtype=torch.int32, device=device), config=wide)

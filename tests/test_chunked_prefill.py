@@ -17,19 +17,19 @@ from .test_prefix_cache import BLOCK, _params, _prompts, _unified, assert_traini
 
 
 def test_eviction_and_preemption_under_a_small_kv_budget():
-    """4 usable blocks of 16: two 20-token prompts (sharing a block) growing to 34 tokens cannot both stay,
-    so one is preempted and re-admitted over its own cached blocks; a third prompt then
+    """3 usable blocks of 16: two 10-token prompts growing to 20 tokens cannot both stay,
+    so one is preempted and re-admitted over its own cached block; a third prompt then
     evicts cached blocks. Every token's log-prob equals the packed training forward."""
     m = _unified("qwen3")
-    prompts = [p[:20] for p in _prompts()[2:]]
-    config = EngineConfig(max_num_seqs=8, max_model_len=48, kv_block_size=BLOCK, num_kv_blocks=5,
+    prompts = [p[:10] for p in _prompts(seed=2)[2:]]
+    config = EngineConfig(max_num_seqs=8, max_model_len=48, kv_block_size=BLOCK, num_kv_blocks=4,
                           enable_prefix_caching=True, prefill_chunk_tokens=BLOCK)
     with LLM(m, config) as llm:
-        outputs = llm.generate(prompts, _params(2, tokens=14))
+        outputs = llm.generate(prompts, _params(2, tokens=10))
         assert llm.num_preemptions > 0 and llm.prefix_cache_stats["hit_tokens"] > 0
         outputs += llm.generate([_prompts(seed=1)[0][:33]], _params(1))
         stats = llm.prefix_cache_stats
-        assert llm.runner.block_manager.num_free_blocks == 4
+        assert llm.runner.block_manager.num_free_blocks == 3
     assert stats["evictions"] > 0, stats
     assert any(o.num_preemptions for o in outputs)
     assert_training_bits(m, outputs)
@@ -107,3 +107,29 @@ def test_bad_prefix_and_chunk_config_raises():
         EngineConfig(enable_prefix_caching=1)
     cfg = EngineConfig(kv_block_size=16, prefill_chunk_tokens=16, enable_prefix_caching=True)
     assert cfg.prefill_chunk_tokens == 16 and cfg.enable_prefix_caching
+
+
+def test_chunked_steps_mix_decode_rows_and_prompt_chunks():
+    """A 12-token prompt arriving while a sequence decodes is computed 4 tokens a step in
+    the same steps as the decode row; it samples only once its last chunk is done."""
+    from areal_tik.engine.scheduler import Scheduler
+
+    config = EngineConfig(max_num_seqs=4, max_model_len=32, kv_block_size=4, num_kv_blocks=20,
+                          prefill_chunk_tokens=4)
+    sched = Scheduler(config, BlockManager(20, 4), eos_token_ids=[0])
+    first = Sequence(0, [5, 6, 7], SamplingParams(max_new_tokens=8), 0)
+    sched.add(first)
+    batch, has_prefill = sched.schedule()
+    assert batch == [first] and has_prefill and first.num_scheduled_tokens == 3
+    sched.postprocess(batch, [9], [-1.0], version=0)
+    late = Sequence(1, list(range(3, 15)), SamplingParams(max_new_tokens=8), 1)
+    sched.add(late)
+    for step in range(3):
+        batch, has_prefill = sched.schedule()
+        assert batch == [late, first] and has_prefill
+        assert (late.num_computed_tokens, late.num_scheduled_tokens, first.num_scheduled_tokens) == (4 * step, 4, 1)
+        sampled = [9, 9] if step == 2 else [9]  # rows in sampling order: finished chunks, then decodes
+        sched.postprocess(batch, sampled, [-1.0] * len(sampled), version=0)
+    assert late.output_ids == [9] and first.output_ids == [9] * 4
+    batch, has_prefill = sched.schedule()
+    assert batch == [first, late] and not has_prefill  # both decode now, in running order
