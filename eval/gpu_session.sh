@@ -57,7 +57,7 @@ for s in $STAGES; do case $s in
             run "$s" 560 python3 -m eval.bench_grpo --model "$model" --modes "$mode" --steps "${GRPO_STEPS:-20}" \
                 --max-new-tokens "${GRPO_MAX_NEW:-128}" --out "$GRPO_OUT" --workdir /tmp/grpo-bench --with-existing
             cp "$GRPO_OUT"/* "$W/csv"/ 2>/dev/null ;;
-  optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=260 linear=140 ;;
+  optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=240 linear=120 ;;
   optimize_attention) run optimize_attention 570 python3 eval/optimize_gpu.py --out "$OUT/attention" \
                         --ops attention --budget-s attention=420 ;;
   optimize_linear) run optimize_linear 570 python3 eval/optimize_gpu.py --out "$OUT/linear" \

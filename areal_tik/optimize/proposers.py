@@ -180,8 +180,8 @@ class Mechanical:
                 self._note(cand.id, "survived halving; not audited (finalist limit or budget)", "survivor")
                 continue
             audit = self.ev.audit(cand.id)
-            self.log(f"  audit {audit.id} of {cand.id} {cand.delta}: passed={audit.passed} "
-                     f"promotable={audit.promotable} {audit.reasons[:2]}")
+            self.log(f"  audit {audit.id} of {cand.id} {str(cand.delta)[:160]}: passed={audit.passed} "
+                     f"promotable={audit.promotable} {[r[:160] for r in audit.reasons[:2]]}")
             if audit.promotable:
                 audits.append(audit)
         if not audits:
