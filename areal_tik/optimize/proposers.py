@@ -52,6 +52,10 @@ class Mechanical:
         self.op = evaluator.op
         self.end = time.time() + cfg.budget_s
         self.rng = random.Random(run.config.seed)
+        with run.locked():
+            state = run.state()
+            state.budget["candidates_max"] = cfg.max_candidates
+            run.save_state(state)
 
     def left(self) -> float:
         return self.end - time.time()
@@ -132,6 +136,7 @@ class Mechanical:
                             {f"screen[rung {rung}]": failures[0]}, [], (0.0, 0.0, 0.0),
                             time.time() - start)
             return None
+        self.ev.spend(time.time() - start)
         ref = "incumbent" if "incumbent" in impls else "root"
         score = _weighted(ws, times, "candidate") / _weighted(ws, times, ref)
         self._note(cand.id, f"rung {rung}: T ratio {score:.4f} vs {incumbent.id} on {len(ws)} workloads")
