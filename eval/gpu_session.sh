@@ -66,7 +66,7 @@ for s in $STAGES; do case $s in
   # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
   # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
   bench_train) run bench_train 420 python3 eval/bench_train.py --out "$W/csv" ;;
-  optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=260 linear=140 ;;
+  optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=240 linear=120 ;;
   optimize_attention) run optimize_attention 570 python3 eval/optimize_gpu.py --out "$OUT/attention" \
                         --ops attention --budget-s attention=420 ;;
   optimize_linear) run optimize_linear 570 python3 eval/optimize_gpu.py --out "$OUT/linear" \

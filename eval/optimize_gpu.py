@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tarfile
 import tempfile
@@ -61,13 +62,19 @@ def optimise(op: str, budget_s: float, workdir: Path, args) -> dict:
     print(f"== {op}: {len(run.config.workloads)} workloads, root {run.config.root_config}, "
           f"init {time.time() - start:.1f} s", flush=True)
     ev = evaluator.Evaluator(run, rounds=args.rounds, timeout_s=args.audit_timeout_s, l2_flush=args.l2_flush)
-    Mechanical(run, ev, SearchConfig(budget_s=budget_s, generations=args.generations),
-               log=lambda *a: print(*a, flush=True)).search()
-    summary = summarize(run)
-    summary["wall_s"] = time.time() - start
-    (path / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(format_summary(summary), flush=True)
+    try:
+        Mechanical(run, ev, SearchConfig(budget_s=budget_s, generations=args.generations),
+                   log=lambda *a: print(*a, flush=True)).search()
+    finally:  # what was found so far is reported even when the search stopped on an error
+        summary = summarize(run)
+        summary["wall_s"] = time.time() - start
+        (path / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(format_summary(summary), flush=True)
     return summary
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}: stopping, packing the run directories")
 
 
 def main() -> int:
@@ -92,12 +99,15 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, code = {}, 0
+    signal.signal(signal.SIGTERM, _stop)  # a stage timeout still packs what was found
     for op in args.ops:
         try:
             results[op] = optimise(op, budgets[op], workdir, args)
-        except Exception:
+        except BaseException as e:  # noqa: BLE001 - report, pack, go on
             traceback.print_exc()
             code = 1
+            if isinstance(e, KeyboardInterrupt):
+                break
     with tarfile.open(out / "optimize_runs.tgz", "w:gz") as tar:
         for op in args.ops:
             if (workdir / op).exists():

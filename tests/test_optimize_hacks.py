@@ -166,7 +166,7 @@ def test_bad_candidates_are_failed_audits_and_the_run_goes_on(tmp_path, name, re
     src.write_text(HEADER + textwrap.dedent(HACKS[name]))
     op = op_linear.LinearOp("tiny")
     cand = evaluator.propose(run, op, source_path=src, proposer="agent")
-    audit = evaluator.Evaluator(run, rounds=1, timeout_s=2.0).audit(cand.id)
+    audit = evaluator.Evaluator(run, rounds=1, timeout_s=2.0 if name == "hang" else 300.0).audit(cand.id)
     assert not audit.passed and not audit.promotable
     assert any(re.search(reason, r) for r in audit.reasons), audit.reasons
     assert run.state().best == "root" and run.get("lineage", cand.id).status == "failed"

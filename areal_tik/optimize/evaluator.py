@@ -216,6 +216,13 @@ class Evaluator:
         return self._record(cand, incumbent.id, passed, promotable, reasons, checks, rows, totals,
                             time.time() - start)
 
+    def spend(self, seconds: float) -> None:
+        """Add device seconds spent outside an audit (successive-halving screens)."""
+        with self.run.locked():
+            state = self.run.state()
+            state.budget["device_s_used"] += seconds
+            self.run.save_state(state)
+
     def _seed(self) -> int:
         return self.run.config.seed + 1 + sum(1 for _ in (self.run.path / "audits").glob("*.json"))
 

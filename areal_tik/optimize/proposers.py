@@ -52,6 +52,10 @@ class Mechanical:
         self.op = evaluator.op
         self.end = time.time() + cfg.budget_s
         self.rng = random.Random(run.config.seed)
+        with run.locked():
+            state = run.state()
+            state.budget["candidates_max"] = cfg.max_candidates
+            run.save_state(state)
 
     def left(self) -> float:
         return self.end - time.time()
@@ -132,6 +136,7 @@ class Mechanical:
                             {f"screen[rung {rung}]": failures[0]}, [], (0.0, 0.0, 0.0),
                             time.time() - start)
             return None
+        self.ev.spend(time.time() - start)
         ref = "incumbent" if "incumbent" in impls else "root"
         score = _weighted(ws, times, "candidate") / _weighted(ws, times, ref)
         self._note(cand.id, f"rung {rung}: T ratio {score:.4f} vs {incumbent.id} on {len(ws)} workloads")
@@ -180,8 +185,8 @@ class Mechanical:
                 self._note(cand.id, "survived halving; not audited (finalist limit or budget)", "survivor")
                 continue
             audit = self.ev.audit(cand.id)
-            self.log(f"  audit {audit.id} of {cand.id} {cand.delta}: passed={audit.passed} "
-                     f"promotable={audit.promotable} {audit.reasons[:2]}")
+            self.log(f"  audit {audit.id} of {cand.id} {str(cand.delta)[:160]}: passed={audit.passed} "
+                     f"promotable={audit.promotable} {[r[:160] for r in audit.reasons[:2]]}")
             if audit.promotable:
                 audits.append(audit)
         if not audits:
