@@ -76,6 +76,11 @@ def test_the_key_names_the_device_and_versions_and_a_new_one_probes_again(cache_
     cache_file.write_text("{not json")  # a corrupt cache is probed again and rewritten
     assert not qualify.qualify("cpu").cached and len(calls) == 3
     assert qualify.qualify("cpu", refresh=True) and len(calls) == 4
+    stored = json.loads(cache_file.read_text())
+    stored["verdicts"][newer.id] = {"key": {"gpu": "x"}}  # a malformed entry is probed again
+    cache_file.write_text(json.dumps(stored))
+    assert not qualify.qualify("cpu").cached and len(calls) == 5
+    assert qualify.qualify("cpu").cached and len(calls) == 5
 
 
 def test_the_cache_path_defaults_to_the_user_cache_dir(monkeypatch, tmp_path):

@@ -28,10 +28,13 @@ linear use one tile for every shape (``Verdict.pin_linear`` says when that is ad
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 from .probes import PROBES, LinearPin, ProbeSizes, as_device, pin_linear_tile, run_probe
 from .verdict import CACHE_ENV, Check, DeviceKey, Verdict, cache_path, load_verdicts, store_verdicts
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["qualify", "run_probe", "pin_linear_tile", "LinearPin", "Verdict", "Check", "DeviceKey", "ProbeSizes",
            "PROBES", "CACHE_ENV", "cache_path"]
@@ -44,11 +47,17 @@ def qualify(device=None, *, refresh: bool = False) -> Verdict:
     path = cache_path()
     verdicts = load_verdicts(path)
     if not refresh and key.id in verdicts:
-        return Verdict.from_json(verdicts[key.id])
+        try:
+            return Verdict.from_json(verdicts[key.id])
+        except (KeyError, TypeError, ValueError):
+            logger.warning("qualification cache %s: entry %s is malformed; probing again", path, key.id)
     verdict = run_probe(device)
     verdicts = load_verdicts(path)  # another process may have added keys meanwhile
     verdicts[key.id] = verdict.to_json()
-    store_verdicts(path, verdicts)
+    try:
+        store_verdicts(path, verdicts)
+    except OSError as exc:  # a read-only home: the verdict still holds for this process
+        logger.warning("qualification cache %s not written: %s", path, exc)
     return verdict
 
 

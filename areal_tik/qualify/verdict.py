@@ -130,10 +130,8 @@ def cache_path() -> Path:
 def load_verdicts(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (OSError, ValueError):  # missing, unreadable or corrupt: probe again and rewrite it
         return {}
-    except (OSError, ValueError):
-        return {}  # unreadable or corrupt: probe again and rewrite it
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         return {}
     return data.get("verdicts", {})
