@@ -1,4 +1,4 @@
-"""``areal-tik``: the one front door. Every runnable of the project is a subcommand.
+"""areal-tik: the one front door. Every runnable of the project is a subcommand.
 
     areal-tik generate --model tiny-qwen3 --num-prompts 4 --max-new-tokens 16
     areal-tik check --model qwen3-0.6b --num-prompts 64 --max-new-tokens 256

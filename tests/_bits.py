@@ -1,6 +1,8 @@
-"""Bitwise assertions used across the contract suite."""
+"""Bitwise assertions used across the contract suite (``compare_bits``, the project's one
+bit comparison of log-prob rows, is re-exported from ``areal_tik.bitwise``)."""
 import torch
 
+from areal_tik.bitwise import compare_bits  # noqa: F401
 from areal_tik.unified_kernels import bits
 
 

@@ -46,6 +46,8 @@ from areal.api.cli_args import (
 from areal_tik.engine.config import EngineConfig
 from areal_tik.runtime import KERNEL_SETS
 
+from .sampling import UNSUPPORTED, top_k_active, unsupported_set
+
 TIK_ENGINE_MODES = ("auto", "inprocess", "server", "off")
 
 
@@ -92,6 +94,10 @@ class TikPPOActorConfig(PPOActorConfig):
         log-probs stand in for the recompute pass. The actor calls this once it knows
         whether it reuses; the config keeps the question, never the run's state."""
         self._reusing = reusing
+
+    def __getstate__(self):
+        # The link belongs to this process's run: a copy sent elsewhere has none.
+        return {k: v for k, v in self.__dict__.items() if k != "_reusing"}
 
     def should_compute_prox_logp(self) -> bool:
         """AReaL's switch for the recompute pass; False while reuse stands in for it."""
@@ -243,13 +249,6 @@ def validate(config: TikPPOConfig) -> None:
             raise ValueError("the in-process areal-tik engine does not serve LoRA adapters")
 
 
-def top_k_active(top_k: int, vocab_size: int | None) -> bool:
-    """AReaL disables top-k with 0/negative or any k >= vocabulary size (default 1e8)."""
-    if top_k <= 0:
-        return False
-    return vocab_size is None or top_k < vocab_size
-
-
 def actor_refusals(actor: TikPPOActorConfig) -> list[str]:
     """Reasons in the actor's own options (the actor checks these without the full config)."""
     reasons = []
@@ -280,12 +279,9 @@ def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,
         reasons.append(f"top-k sampling (gconfig.top_k={g.top_k}) differs from the full softmax")
     if g.top_p < 1.0:
         reasons.append(f"top-p sampling (gconfig.top_p={g.top_p}) differs from the full softmax")
-    if g.min_new_tokens > 0:
-        reasons.append(f"gconfig.min_new_tokens={g.min_new_tokens} masks stop tokens while sampling")
-    if g.frequency_penalty != 0.0:
-        reasons.append(f"gconfig.frequency_penalty={g.frequency_penalty} changes the sampled logits")
-    if g.use_beam_search:
-        reasons.append("beam search does not sample from the policy")
+    options = {name: getattr(g, name) for name in UNSUPPORTED if hasattr(g, name)}
+    reasons += [f"gconfig.{name}={options[name]!r} is not implemented by the areal-tik engine"
+                for name in unsupported_set(options)]
     if not g.greedy and g.temperature != actor.temperature:
         reasons.append(
             f"rollout temperature (gconfig.temperature={g.temperature}) differs from the "
