@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO))
 from eval.harness import run_info, write_csv  # noqa: E402
 
 from areal_tik.cli import RANDOM_INIT  # noqa: E402
-from areal_tik.engine import LLM, EngineConfig, SamplingParams, consistency  # noqa: E402
+from areal_tik import consistency  # noqa: E402
+from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 
 GPU_SIZES = dict(groups=8, samples=8, prompt_len=2048, new_tokens=256, decoders=32, long_len=16384,

@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from areal_tik.engine import LLM, EngineConfig, SamplingParams, consistency
+from areal_tik import consistency
+from areal_tik.engine import LLM, EngineConfig, SamplingParams
 from areal_tik.model import UnifiedCausalLM
 
 from ._model_utils import PagedLayout, pack, packed_rows, require, tiny_hf
