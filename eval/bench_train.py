@@ -62,9 +62,10 @@ import triton  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from eval.harness import run_info, write_csv  # noqa: E402
+from eval.train_baselines import (ATTN_NAME, liger_loss, stock_attention_label, stock_logprob_fn,  # noqa: E402
+                                  varlen_attention)
 
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
-from areal_tik.model.ops import _flash_varlen, get_ops  # noqa: E402
 from areal_tik.model.spec import ModelSpec  # noqa: E402
 from areal_tik.unified_kernels import WarmupShapes, bitwise_equal, warmup  # noqa: E402
 
@@ -72,7 +73,6 @@ PEAK_TFLOPS = 790.0  # measured bf16 dense matmul on the H200
 MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "llama-3.2-1b": "Llama-3.2-1B"}
 TINY = {"tiny-qwen3": "qwen3", "tiny-llama": "llama"}  # CPU smoke runs
 PACKINGS = ("grpo", "4x4096")
-ATTN_NAME = "bench_train_varlen"
 TEMPERATURE = 1.0  # Liger's loss has no temperature
 
 
@@ -119,68 +119,6 @@ def step_flops(spec: ModelSpec, lengths: list[int]) -> float:
     params = spec.n_layers * per_layer + spec.vocab * h
     attention = sum(6 * n * n * q for n in lengths) * spec.n_layers
     return 6.0 * params * sum(lengths) + attention
-
-
-# ------------------------------------------------------------------ the stock path
-
-
-def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention over packed rows: q/k/v ``[1, H, T, D]`` -> ``([1, T, Hq, D], None)``."""
-    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    found = _flash_varlen() if q.is_cuda else None
-    if found is None:  # CPU smoke runs: the project's standard op (SDPA per sequence)
-        return get_ops("standard").attention_varlen(q, k, v, cu, max_len, scaling)[None], None
-    varlen_attn, causal, has_gqa, has_scale = found
-    extra = dict(causal, **({"scale": scaling} if has_scale else {}))
-    if k.shape[1] != q.shape[1]:
-        if has_gqa:
-            extra["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
-    return (out[0] if isinstance(out, tuple) else out)[None], None
-
-
-def stock_attention_label(device) -> str:
-    found = _flash_varlen() if torch.device(device).type == "cuda" else None
-    if found is None:
-        return "SDPA per sequence (no torch varlen_attn here)"
-    return "torch FlashAttention varlen_attn" + ("" if found[2] else " (K/V heads repeated for GQA)")
-
-
-def _gather_chunk(logits, labels, temperature):
-    log_probs = torch.nn.functional.log_softmax(logits.float() / temperature, dim=-1)
-    return log_probs.gather(dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
-
-
-_gather_chunk_compiled = torch.compile(_gather_chunk)
-
-
-def _standin_gather_logprobs(logits, labels, temperature=1.0, chunk_size=1024):
-    """AReaL 1.0.4's gather_logprobs re-stated: the compiled chunk function over 1024-row chunks."""
-    return torch.cat([_gather_chunk_compiled(logits[i:i + chunk_size], labels[i:i + chunk_size], temperature)
-                      for i in range(0, logits.shape[0], chunk_size)])
-
-
-def stock_logprob_fn():
-    """(gather_logprobs, label): AReaL's own, else the stand-in, saying why."""
-    try:
-        from importlib.metadata import version
-
-        from areal.utils.functional import gather_logprobs
-        return gather_logprobs, f"AReaL {version('areal')} gather_logprobs (torch.compile, 1024-token chunks)"
-    except Exception as exc:  # AReaL or one of its imports is not on this image
-        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
-        return _standin_gather_logprobs, f"stand-in: torch.compile'd chunked log_softmax+gather as AReaL's ({why})"
-
-
-def liger_loss():
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        return None
-    return LigerFusedLinearCrossEntropyLoss(reduction="none")
 
 
 # ------------------------------------------------------------------ steps
@@ -419,7 +357,7 @@ def main(argv=None) -> None:
         packing(pack)  # bad names fail before any model is built
     device = "cuda" if torch.cuda.is_available() else "cpu"
     import transformers
-    transformers.AttentionInterface.register(ATTN_NAME, _varlen_attention)
+    transformers.AttentionInterface.register(ATTN_NAME, varlen_attention)
     COMPILES.install()
     gather, gather_label = stock_logprob_fn()
     liger = liger_loss()

@@ -73,9 +73,9 @@ for s in $STAGES; do case $s in
                      --ops linear --budget-s linear=420 ;;
   # The same recipe twice on one persistent Triton cache: the second run must compile nothing
   # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
-  bench_train_cache) export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
+  bench_train_cache) ( export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
              run bench_train_run1 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
-             run bench_train_run2 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ;;
+             run bench_train_run2 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ) ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

@@ -155,6 +155,8 @@ def test_warmup_covers_attention_packings(launches, lengths):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, v = _z(t, 4, 16, grad=True), _z(t, 2, 16, grad=True), _z(t, 2, 16, grad=True)
     U.attention_varlen(q, k, v, cu, max(lengths), 0.25).sum().backward()
+    with torch.no_grad():  # rollout prefill: the forward without the LSE
+        U.attention_varlen(q, k, v, cu, max(lengths), 0.25)
     assert launches and set(launches) <= warmed, set(launches) - warmed
 
 
@@ -170,7 +172,7 @@ def test_warmup_on_worker_threads_runs_every_task(monkeypatch):
         monkeypatch.setattr(W, family, lambda *a, _o=original, **k: [
             (lambda _t=t: calls.append(_t)) for t in _o(*a, **k)])
     counts = U.warmup(shapes, max_rows=40, device="cpu", workers=2)
-    assert len(calls) == sum(counts.values()) and counts["attention"] == len(W._ATTENTION_PACKINGS)
+    assert len(calls) == sum(counts.values()) and counts["attention"] == 2 * len(W._ATTENTION_PACKINGS)
     with pytest.raises(ValueError, match="boom"):
         monkeypatch.setattr(W, "warm_rope", lambda *a, **k: [lambda: (_ for _ in ()).throw(ValueError("boom"))])
         U.warmup(shapes, max_rows=4, device="cpu", workers=2)

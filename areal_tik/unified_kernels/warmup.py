@@ -149,6 +149,7 @@ _ATTENTION_PACKINGS = ((1,), (16,), (17,), (1, 15), (1, 16), (16,) * 16, (2,) + 
 
 
 def _attention_step(lengths, heads, dtype, device, training: bool) -> None:
+    """attention_varlen over packed ``lengths`` (and its backward when ``training``)."""
     hq, hk, d = heads
     t = sum(lengths)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
@@ -162,8 +163,10 @@ def _attention_step(lengths, heads, dtype, device, training: bool) -> None:
 
 
 def warm_attention(heads, dtype, device, training: bool) -> list[Callable]:
-    return [functools.partial(_attention_step, lengths, heads, dtype, device, training)
-            for lengths in _ATTENTION_PACKINGS]
+    """Each packing without autograd (rollout prefill: no LSE stored) and, for training,
+    with it (the LSE-storing forward and the backward)."""
+    return [functools.partial(_attention_step, lengths, heads, dtype, device, grad)
+            for lengths in _ATTENTION_PACKINGS for grad in ((False, True) if training else (False,))]
 
 
 def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True,
