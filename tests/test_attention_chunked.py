@@ -100,12 +100,13 @@ def test_chunks_equal_cold_prefill_fp32_d32_gqa4(device):
     _chunked_equals_cold(device, 8, 2, 32, torch.float32, 45, [7, 32, 33], seed=1)
 
 
-def test_every_split_of_a_sequence_equals_cold(device):
-    """Two chunks at every boundary position of a 40-row sequence (one launch per cut)."""
+def test_cuts_at_every_kind_of_edge_equal_cold(device):
+    """Two chunks cut next to every tile (16), program (32) and split (32) edge of a
+    40-row sequence, and mid-tile (one launch per cut)."""
     n = 40
     seqs = [_qkv(n, 4, 4, 16, torch.bfloat16, device, seed=7)]
     cold = _cold(seqs)[0]
-    for cut in range(1, n):
+    for cut in (1, 2, 7, 15, 16, 17, 24, 31, 32, 33, 38, 39):
         cache = ChunkedCache([n], 4, 16, torch.bfloat16, device, seed=cut)
         cache.store(0, seqs[0][1][:cut], seqs[0][2][:cut], 0)
         out = cache.chunks([(0, cut, n)], seqs)[0]

@@ -111,15 +111,14 @@ def test_cold_warm_chunked_and_training_bits_agree(family):
 
 def test_block_written_by_decode_is_reused_by_a_later_turn():
     """A multi-turn prefix: the second request's prompt is the first request's prompt plus
-    its answer; the blocks filled while decoding are reused, bits unchanged."""
+    its answer; the block completed by decode steps (positions 30 and 31) is reused, and
+    every token still equals the packed training forward."""
     m = _unified("qwen3")
-    first = _prompts()[0][:20]
-    params = SamplingParams(temperature=1.0, max_new_tokens=14, seed=5, ignore_eos=True)
+    first = _prompts()[0][:30]
     with LLM(m, EngineConfig(max_num_seqs=4, max_model_len=64, kv_block_size=BLOCK,
                              enable_prefix_caching=True)) as llm:
-        out = llm.generate([first], params)[0]
+        out = llm.generate([first], _params(1, tokens=3))[0]
         turn = first + out.token_ids + [7, 8, 9]
         second = llm.generate([turn], _params(1))[0]
-        assert second.num_cached_tokens == 32  # both full blocks, the second one from decode
-    cold, _ = _run(m, [turn], _params(1))
-    assert_same_bits([second], cold, "second turn")
+    assert second.num_cached_tokens == 32  # both full blocks, the second one finished by decode
+    assert_training_bits(m, [out, second])
