@@ -22,9 +22,13 @@ import sys
 
 
 def _backend(device: str) -> None:
-    # The Triton interpreter must be chosen before any kernel module is imported.
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The Triton interpreter must be chosen before triton is imported (it fixes the mode).
+    if device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        raise ValueError("a CPU run needs the Triton interpreter, but triton was imported without "
+                         "TRITON_INTERPRET=1; set TRITON_INTERPRET=1 in the environment")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _open(args):

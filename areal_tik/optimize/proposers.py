@@ -29,7 +29,7 @@ class SearchConfig:
     generations: int = 3
     rungs: int = 3
     finalists: int = 3  # full audits per generation (the merged candidate first)
-    max_candidates: int = 512
+    max_candidates: int = 4096  # the time budget usually ends a search first
 
     def __post_init__(self):
         for name in ("budget_s", "generations", "rungs", "finalists", "max_candidates"):
