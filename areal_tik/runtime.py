@@ -19,13 +19,6 @@ DEFAULT_KERNELS = "unified"
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 
-def check_kernels(kernels: str) -> str:
-    """``kernels`` if it names a kernel set; ValueError naming the accepted ones."""
-    if kernels not in KERNEL_SETS:
-        raise ValueError(f"kernels must be one of {KERNEL_SETS}, got {kernels!r}")
-    return kernels
-
-
 def wants_cpu(argv: Iterable[str]) -> bool:
     """True if a command line asks for ``--device cpu`` (either spelling)."""
     argv = list(argv)

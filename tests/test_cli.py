@@ -158,3 +158,18 @@ def test_generate_text_with_smollm2(capsys):
     assert rc == 0
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "5" in record["text"] and record["finish_reason"] == "stop"
+
+
+def test_interpreter_switch_and_kernel_set_names():
+    from areal_tik.model import get_ops
+    from areal_tik.runtime import INTERPRET_ENV, KERNEL_SETS, use_interpreter_without_gpu, wants_cpu
+
+    env = {}
+    assert use_interpreter_without_gpu(env, force=True) and env == {INTERPRET_ENV: "1"}
+    env = {INTERPRET_ENV: "0"}
+    assert not use_interpreter_without_gpu(env, force=True) and env[INTERPRET_ENV] == "0"  # never overridden
+    assert wants_cpu(["generate", "--device", "cpu"]) and wants_cpu(["check", "--device=cpu"])
+    assert not wants_cpu(["generate", "--device", "cuda"]) and not wants_cpu(["generate", "--device"])
+    assert [get_ops(k).kind for k in KERNEL_SETS] == ["unified", "standard"]
+    with pytest.raises(ValueError, match=r"kernels must be one of \('unified', 'standard'\)"):
+        get_ops("fast")

@@ -42,9 +42,9 @@ def test_fresh_tokens_are_reused_and_audited_bitwise():
     assert stats["tokens_reused"] == 6 and stats["tokens_recomputed"] == 0
     assert len(calls) == 1 and len(calls[0]) == 1  # one audit sequence, nothing stale
     assert torch.equal(batch[0]["prox_logp"], reuse.reused_logprobs(batch[0]))
-    # step 1 (version 3 is not a multiple of 2, the first audit passed): no audit, no recompute
+    # after the first audit: audited when version % audit_every == 0 (4), not otherwise (5)
     stats, _ = old.prepare([group(trajectory(2, [4, 4], seed=3))], version=4, needs_prox=False)
-    assert "audit_passed" in stats  # 4 % audit_every == 0: audited again
+    assert "audit_passed" in stats
     stats, _ = old.prepare([group(trajectory(2, [5, 5], seed=4))], version=5, needs_prox=False)
     assert "audit_passed" not in stats and len(calls) == 2
 

@@ -166,6 +166,7 @@ def main(args) -> int:
         batch_size=args.batch_size or (2 if cpu else 16), n_samples=args.n_samples or (2 if cpu else 4),
         max_new_tokens=args.max_new_tokens or (4 if cpu else 64),
         instruction="" if cpu else None, reward=SHAPED_REWARD if cpu else None)
+    overrides.append("++experiment_name=areal-tik-demo")
     start = time.perf_counter()
     with patch_list.apply():
         config = load_config(recipe, overrides + list(args.overrides))
