@@ -56,6 +56,9 @@ def test_recipe_loads_with_flag(load):
     assert isinstance(config.tik, EngineConfig)
     assert (config.tik.max_num_seqs, config.tik.max_model_len, config.tik.cuda_graphs) == (16, 256, False)
     assert config.tik.gpu_memory_utilization == ColocatedEngineConfig().gpu_memory_utilization == 0.5
+    # limits derived from the recipe's values, not from the colocated defaults (64 sequences)
+    assert config.tik.graph_batch_limit == 16
+    assert load(["++tik.max_num_seqs=128"]).tik.graph_batch_limit == 128
 
 
 def test_engine_block_keys_are_engine_config_fields(load):

@@ -210,8 +210,10 @@ def test_gpu_no_jit_compilation_after_warmup():
     shapes = U.WarmupShapes(linears=((2048, 1024, False), (1024, 2048, True)), norms=(1024, 128),
                             intermediates=(3072,), heads=(16, 8, 128), lm_head=(151936, 1024))
     U.warmup(shapes, max_rows=2048, device=dev)
-    w1, w2, b2 = (torch.randn(*s, device=dev, dtype=bf16, requires_grad=True) * 0.02 for s in ((2048, 1024),
-                                                                                               (1024, 2048), (1024,)))
+    # Leaves (scaled first): a scaled requires-grad tensor is a graph node that every
+    # iteration's backward would walk again (its saved scalar freed after the first).
+    w1, w2, b2 = ((torch.randn(*s, device=dev, dtype=bf16) * 0.02).requires_grad_()
+                  for s in ((2048, 1024), (1024, 2048), (1024,)))
     wn, wh = torch.ones(1024, device=dev, dtype=bf16), torch.ones(128, device=dev, dtype=bf16)
     lm = torch.randn(151936, 1024, device=dev, dtype=bf16) * 0.02
     cos, sin = U.rope_cos_sin(40960, 128, base=1e6, device=dev)

@@ -75,9 +75,7 @@ class EngineConfig:
             raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size!r}")
         _check_int("num_kv_blocks", self.num_kv_blocks, minimum=2, allow_none=True)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 8192)
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens must be >= max_model_len ({self.max_model_len}) so that a "
                 f"preempted sequence can be recomputed in one step, got {self.max_num_batched_tokens!r}")
@@ -88,8 +86,6 @@ class EngineConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         _check_int("max_graph_batch_size", self.max_graph_batch_size, minimum=1, allow_none=True)
-        if self.max_graph_batch_size is None:
-            self.max_graph_batch_size = min(self.max_num_seqs, 512)
         if self.cuda_graph_sizes is not None:
             sizes = tuple(sorted(set(self.cuda_graph_sizes)))
             for size in sizes:
@@ -114,6 +110,25 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must hold one sequence of max_model_len={self.max_model_len} "
                              f"({need} blocks of {self.kv_block_size} with the scratch block), "
                              f"got {self.num_kv_blocks!r}")
+
+    # Derived limits are properties, never written back into the fields: a config built
+    # from its defaults first and then given a YAML's values (OmegaConf does exactly that
+    # with the ``tik:`` block) kept max_graph_batch_size at the default max_num_seqs' 64
+    # while max_num_seqs was 128, so every full decode batch ran without CUDA graphs (the
+    # GRPO rollouts on the H200 were 1.7-4.5x slower until this was found).
+    @property
+    def batched_tokens_limit(self) -> int:
+        """``max_num_batched_tokens``, or max(max_model_len, 8192) when it is None."""
+        if self.max_num_batched_tokens is None:
+            return max(self.max_model_len, 8192)
+        return self.max_num_batched_tokens
+
+    @property
+    def graph_batch_limit(self) -> int:
+        """The largest captured decode bucket: ``max_graph_batch_size`` or
+        min(max_num_seqs, 512), never above max_num_seqs."""
+        limit = min(self.max_num_seqs, 512) if self.max_graph_batch_size is None else self.max_graph_batch_size
+        return min(limit, self.max_num_seqs)
 
     @property
     def max_blocks_per_seq(self) -> int:

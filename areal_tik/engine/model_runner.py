@@ -106,7 +106,7 @@ class ModelRunner:
         """A prefill at the token budget and a sampling pass at max batch: the activation peak."""
         cfg = self.config
         seq_len = cfg.max_model_len
-        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        num_seqs = max(1, min(cfg.batched_tokens_limit // seq_len, cfg.max_num_seqs))
         tokens = num_seqs * seq_len
         cache = self.model.new_kv_cache(-(-tokens // self.block_size) + 1, self.block_size)
         dev = self.device
@@ -279,7 +279,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         cfg = self.config
-        sizes = cfg.cuda_graph_sizes or graph_buckets(min(cfg.max_graph_batch_size, cfg.max_num_seqs))
+        sizes = cfg.cuda_graph_sizes or graph_buckets(cfg.graph_batch_limit)
         dev = self.device
         self._graph_outputs: dict[int, torch.Tensor] = {}
         pool = None

@@ -58,7 +58,7 @@ class Scheduler:
         Each sequence's ``num_scheduled_tokens`` says how many of its tokens the step computes."""
         if self.config.prefill_chunk_tokens is not None:
             return self._schedule_mixed()
-        batch = self._admit(self.config.max_num_batched_tokens, chunked=False)
+        batch = self._admit(self.config.batched_tokens_limit, chunked=False)
         if batch:
             return batch, True
         return self._schedule_decode(), False

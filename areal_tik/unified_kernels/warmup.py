@@ -169,6 +169,18 @@ def warm_attention(heads, dtype, device, training: bool) -> list[Callable]:
             for lengths in _ATTENTION_PACKINGS for grad in ((False, True) if training else (False,))]
 
 
+def _cuda_index(device) -> int | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _bind_device(index: int | None) -> None:
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
 def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True,
            sampling: bool = True, attention: bool = True, workers: int | None = None) -> dict[str, int]:
     """Run every op of ``shapes`` once per launch variant for 1..``max_rows`` rows
@@ -197,7 +209,11 @@ def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True
         for task in flat:
             task()
     else:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        # A worker thread has no current CUDA context until it makes a runtime call; the
+        # persistent linear's TMA descriptor is built through the driver before any launch
+        # and failed there ("invalid device context", seen on the H200). Bind it first.
+        index = _cuda_index(device)
+        with concurrent.futures.ThreadPoolExecutor(workers, initializer=_bind_device, initargs=(index,)) as pool:
             for future in [pool.submit(task) for task in flat]:
                 future.result()  # re-raises a task's error here
     if torch.device(device).type == "cuda":
