@@ -114,8 +114,8 @@ class EngineConfig:
     # Derived limits are properties, never written back into the fields: a config built
     # from its defaults first and then given a YAML's values (OmegaConf does exactly that
     # with the ``tik:`` block) kept max_graph_batch_size at the default max_num_seqs' 64
-    # while max_num_seqs was 128, so every full decode batch ran without CUDA graphs (the
-    # GRPO rollouts on the H200 were 1.7-4.5x slower until this was found).
+    # while max_num_seqs was 128, so every decode batch above 64 ran without CUDA graphs
+    # (the likely cause of 1.7-4.5x slower GRPO rollouts seen on the H200 at 8443ba9).
     @property
     def batched_tokens_limit(self) -> int:
         """``max_num_batched_tokens``, or max(max_model_len, 8192) when it is None."""
