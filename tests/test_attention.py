@@ -372,6 +372,9 @@ def test_config_validation():
         FwdConfig(16, 16, 4, 48)
     with pytest.raises(ValueError, match="prefill_subtiles"):
         FwdConfig(16, 16, 4, 32, prefill_subtiles=3)
+    with pytest.raises(ValueError, match=r"16 x 4 = 64\) must divide kv_split = 32"):
+        FwdConfig(16, 16, 4, 32, prefill_subtiles=4)
+    FwdConfig(16, 16, 4, 32, prefill_subtiles=2)  # 32 rows: one split
 
 
 # ----------------------------------------------------------------------------- bad input

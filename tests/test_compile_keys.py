@@ -23,6 +23,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from areal_tik import unified_kernels as U
 
 W = importlib.import_module("areal_tik.unified_kernels.warmup")
+F = importlib.import_module("areal_tik.unified_kernels._attention_fwd")
 
 MODULES = ("linear", "logprob", "rms_norm", "swiglu", "rope", "_attention_fwd", "_attention_bwd", "attention")
 ROWS = (1, 2, 15, 16, 17, 32, 33)
@@ -101,19 +102,25 @@ def test_negative_control_the_key_sees_an_unpinned_int_and_alignment():
     assert len(pinned) == 1
 
 
+def assert_same_keys(launches, values, step) -> list:
+    """The launch keys of ``step(value)`` for each of ``values``: all equal; returns them."""
+    per_value = {}
+    for value in values:
+        launches.clear()
+        step(value)
+        per_value[value] = sorted(set(launches))
+    first = per_value[values[0]]
+    for value, keys in per_value.items():
+        assert keys == first, f"{value} launches other keys than {values[0]}: {set(keys) ^ set(first)}"
+    return first
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_pointwise_and_logprob_keys_do_not_depend_on_row_count(launches, index_dtype):
-    keys_per_rows = {}
-    for rows in ROWS:
-        launches.clear()
-        _step_ops(rows, index_dtype)
-        keys_per_rows[rows] = sorted(set(launches))
-    first = keys_per_rows[ROWS[0]]
+    first = assert_same_keys(launches, ROWS, lambda rows: _step_ops(rows, index_dtype))
     names = {key[0] for key in first}
     assert {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_silu_mul_fwd_kernel", "_silu_mul_bwd_kernel",
             "_rope_kernel", "_lse_partial_kernel", "_combine_kernel", "_dz_kernel"} <= names
-    for rows, keys in keys_per_rows.items():
-        assert keys == first, f"{rows} rows launch other keys than {ROWS[0]}: {set(keys) ^ set(first)}"
 
 
 def test_linear_keys_change_only_with_the_tile_schedule(launches):
@@ -145,18 +152,15 @@ def test_warmup_launches_every_key_a_later_step_uses(launches):
         assert set(launches) <= warmed, f"{rows} rows compile new keys: {set(launches) - warmed}"
 
 
-@pytest.mark.parametrize("lengths", [(3,), (5, 7), (16, 16), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)])
+@pytest.mark.parametrize("lengths", [(3,), (16, 16), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)])
 def test_warmup_covers_attention_packings(launches, lengths):
-    for task in W.warm_attention((4, 2, 16), torch.bfloat16, DEVICE, training=True):
+    block_size = 2 * F.default_config().block_n
+    tasks = W.warm_attention((4, 2, 16), torch.bfloat16, DEVICE, training=True)
+    for task in tasks + W.warm_paged_attention((4, 2, 16), torch.bfloat16, DEVICE, block_size):
         task()
     warmed = set(launches)
     launches.clear()
-    t = sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    q, k, v = _z(t, 4, 16, grad=True), _z(t, 2, 16, grad=True), _z(t, 2, 16, grad=True)
-    U.attention_varlen(q, k, v, cu, max(lengths), 0.25).sum().backward()
-    with torch.no_grad():  # rollout prefill: the forward without the LSE
-        U.attention_varlen(q, k, v, cu, max(lengths), 0.25)
+    _attention_packing(lengths, block_size)  # training, rollout prefill, paged prefill, decode
     assert launches and set(launches) <= warmed, set(launches) - warmed
 
 
@@ -240,3 +244,38 @@ def test_gpu_no_jit_compilation_after_warmup():
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous
     assert not compiled, f"compiled after warm-up: {compiled}"
+
+
+# Packings crossing 1, multiples of 16 and other values for T, the number of sequences and
+# the longest sequence (which sets the grid only).
+PACKINGS = ((3,), (1,), (16,), (17,), (5, 7), (16, 16), (1,) * 17, (2,) + (1,) * 15, tuple(range(1, 18)))
+
+
+def _attention_packing(lengths, block_size: int) -> None:
+    """Every attention launch for one packing: training forward + backward, rollout prefill,
+    paged prefill at an offset, the KV store, and decode (a block table of >= 2 KV splits,
+    its width following the packing)."""
+    cfg = F.default_config()
+    t, s = sum(lengths), len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, v = _z(t, 4, 16, grad=True), _z(t, 2, 16, grad=True), _z(t, 2, 16, grad=True)
+    U.attention_varlen(q, k, v, cu, max(lengths), 0.25).sum().backward()
+    width = -(-2 * cfg.kv_split // block_size) + s % 3
+    kc, vc = _z(width + 1, block_size, 2, 16), _z(width + 1, block_size, 2, 16)
+    tables = torch.ones(s, width, dtype=torch.int32, device=DEVICE)
+    with torch.no_grad():
+        U.attention_varlen(q, k, v, cu, max(lengths), 0.25)
+        U.store_kv_cache(k, v, kc, vc, torch.arange(t, device=DEVICE))
+        starts = torch.full((s,), 5, dtype=torch.int32, device=DEVICE)
+        U.attention_paged_prefill(q, kc, vc, cu, max(lengths), tables, starts, 0.25)
+        ctx = torch.tensor(lengths, dtype=torch.int32, device=DEVICE) + 5
+        U.attention_decode(_z(s, 4, 16), kc, vc, tables, ctx, 0.25)
+
+
+def test_attention_keys_do_not_depend_on_the_packing(launches):
+    block_size = 2 * F.default_config().block_n
+    first = assert_same_keys(launches, PACKINGS, lambda lengths: _attention_packing(lengths, block_size))
+    names = [key[0] for key in first]
+    assert set(names) == {"_prefill_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",
+                          "_store_kv_kernel", "_decode_fwd_kernel", "_decode_combine_kernel"}, names
+    assert names.count("_prefill_fwd_kernel") == 3, names  # with the LSE, without, paged

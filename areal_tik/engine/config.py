@@ -58,6 +58,10 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = _option(
         None, "The exact buckets to capture (None: 1, 2, 4, 8, then multiples of 16 up to "
               "max_graph_batch_size).")
+    compile_at_start: bool = _option(
+        True, "Unified kernels on a GPU: compile every Triton kernel variant rollout launches (prefill "
+              "up to the token budget, paged prefill, decode, sampling) when the engine starts, so no "
+              "request waits for a compilation. False only to shorten start-up in throwaway runs.")
     seed: int = _option(0, "Derives the sampling key of requests that carry no seed.")
     enable_prefix_caching: bool = _option(
         False, "Reuse the K/V of full blocks of earlier sequences with the same token prefix (the n "
@@ -94,6 +98,8 @@ class EngineConfig:
                 raise ValueError(f"cuda_graph_sizes must be non-empty and <= max_num_seqs "
                                  f"({self.max_num_seqs}), got {self.cuda_graph_sizes!r}")
             self.cuda_graph_sizes = sizes
+        if not isinstance(self.compile_at_start, bool):
+            raise TypeError(f"compile_at_start must be a bool, got {self.compile_at_start!r}")
         _check_int("seed", self.seed)
         self._check_prefix_and_chunks()
 

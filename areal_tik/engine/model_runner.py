@@ -36,6 +36,20 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
+def warmup_shapes(model):
+    """``WarmupShapes`` of a ``UnifiedCausalLM``: every projection weight (the LM head
+    aside), its norms, MLP width, heads and LM head."""
+    from areal_tik.unified_kernels import WarmupShapes
+
+    spec, hf = model.config, model.hf_model
+    lm = hf.get_output_embeddings().weight
+    linears = sorted({(m.out_features, m.in_features, m.bias is not None) for m in hf.modules()
+                      if isinstance(m, torch.nn.Linear) and m.weight is not lm})
+    norms = (spec.hidden, spec.head_dim) if spec.qk_norm else (spec.hidden,)
+    return WarmupShapes(tuple(linears), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),
+                        tuple(lm.shape), dtype=lm.dtype)
+
+
 @dataclass
 class StepResult:
     tokens: list[int]
@@ -59,6 +73,7 @@ class ModelRunner:
         self.decode_inputs = DecodeInputs(config.max_num_seqs, config.max_blocks_per_seq,
                                           self.block_manager, self.device)
         self._init_result_buffers(config.max_num_seqs)
+        self.warmup_counts = self._compile_kernels()
         if config.cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
 
@@ -122,6 +137,30 @@ class ModelRunner:
             sampler.sample(logits, 1.0, ids, ids, top_k=ids + 1, top_p=None)
         del cache, hidden, rows, logits
         torch.cuda.synchronize(dev)
+
+    def _compile_kernels(self) -> dict[str, int] | None:
+        """Compile every unified kernel variant rollout launches, before the first request
+        (and before graph capture). Skipped on CPU: the Triton interpreter compiles nothing
+        (kernels run as Python), so a warm-up there would only spend time."""
+        if not (self.config.compile_at_start and self.device.type == "cuda"
+                and getattr(self.model, "kernels", None) == "unified"):
+            return None
+        from areal_tik.unified_kernels import warmup  # only the unified set needs it
+
+        cfg = self.config
+        # A step holds at most the prefill budget, or a chunk plus one decode row per sequence.
+        rows = max(cfg.batched_tokens_limit, cfg.max_num_seqs, (cfg.prefill_chunk_tokens or 0) + cfg.max_num_seqs)
+        start = time.perf_counter()
+        counts = warmup(warmup_shapes(self.model), rows, self.device, training=False, sampling=True,
+                        block_size=self.block_size)
+        logits = torch.zeros(2, self.model.config.vocab, dtype=self.model.dtype, device=self.device)
+        ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+        for top_k in (None, ids + 1):  # the Gumbel kernel on the logits, and on filtered fp32 scores
+            sampler.sample(logits, 1.0, ids, ids, top_k=top_k, top_p=None)
+        torch.cuda.synchronize(self.device)
+        logger.info("compiled kernels at start-up for up to %d rows in %.1f s: %s", rows,
+                    time.perf_counter() - start, counts)
+        return counts
 
     # ------------------------------------------------------------------ inputs
 

@@ -48,7 +48,9 @@ def default_bwd_config() -> BwdConfig:
     return INTERP_BWD_CONFIG if EMULATE else GPU_BWD_CONFIG
 
 
-@triton.jit
+# The token and sequence counts and the LSE / delta row stride (= T) follow the packing:
+# kept out of Triton's key (they bound loops and offset addresses only).
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "stride_delta_h"])
 def _bwd_delta_kernel(
     o_ptr, do_ptr,  # [T, Hq, D]
     delta_ptr,  # [Hq, T] fp32
@@ -105,7 +107,7 @@ def _dkdv_step(dk, dv, k, v, q_h, do_h, lse_h, delta_h, m0, keys, seqlen, qk_sca
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_h"])
 def _bwd_dkdv_kernel(
     q_ptr, do_ptr,  # [T, Hq, D]
     k_ptr, v_ptr,  # [T, Hk, D]
@@ -179,7 +181,7 @@ def _dq_step(dq, q, do, lse, delta, rows, k_h, v_h, n0, seqlen, qk_scale, stride
     return _dot(cast_rne(ds, kT.dtype, DOT_FP32), tl.trans(kT), dq, DOT_FP32, PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_h"])
 def _bwd_dq_kernel(
     q_ptr, do_ptr, dq_ptr,  # [T, Hq, D]
     k_ptr, v_ptr,  # [T, Hk, D]

@@ -85,6 +85,13 @@ class FwdConfig:
         sub = self.prefill_subtiles
         if sub < 1 or sub & (sub - 1):
             raise ValueError(f"prefill_subtiles must be a power of two >= 1, got {self}")
+        # Paged prefill programs start on row blocks aligned to the splits (see the kernel):
+        # a program wider than a split walks a fully masked split (wrong bits, found by a
+        # search), so every path refuses such a config here, once.
+        rows = self.block_m * sub
+        if self.kv_split % rows:
+            raise ValueError(f"prefill rows per program (block_m x prefill_subtiles = {self.block_m} x {sub} "
+                             f"= {rows}) must divide kv_split = {self.kv_split}, got {self}")
 
 
 # H200 choice (bf16, D = 128). Numerics: 64 x 64 tiles, one warpgroup (wgmma m64).
@@ -274,7 +281,10 @@ def _finalize(O, L):
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# Integers that follow the packing (sequence and token counts, the LSE row stride = T, the
+# block-table width) stay out of Triton's key: one compilation serves every packing. They
+# only bound loops and offset addresses; the arithmetic on values is the same.
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "stride_lse_h", "stride_tb"])
 def _prefill_fwd_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr, v_ptr,  # [T, Hk, D]
@@ -376,7 +386,8 @@ def _prefill_fwd_kernel(
         tl.store(lse_ptr + head * stride_lse_h + start + rows, M + tl.math.log2(L), mask=row_ok)
 
 
-@triton.jit
+# rows_per_prog follows the batch size, num_splits and stride_tb the block-table width.
+@triton.jit(do_not_specialize=["rows_per_prog", "num_splits", "stride_tb"])
 def _decode_fwd_kernel(
     q_ptr,  # [B, Hq, D]
     kc_ptr, vc_ptr,  # [num_blocks, block_size, Hk, D]
@@ -438,7 +449,7 @@ def _decode_fwd_kernel(
         tl.store(ml_ptr + 2 * part + 1, l, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
     part_ptr,  # fp32 [P * D] o partials then [P, 2] (m, l); P = B * Hq * num_splits
     ctx_ptr,  # [B] int32

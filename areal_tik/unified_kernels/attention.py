@@ -313,10 +313,6 @@ def attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_t
         if int(query_starts.min()) < 0:
             raise ValueError(f"query_starts must be >= 0, got min {int(query_starts.min())}")
         _check_decode_values(block_tables, query_starts + lengths, k_cache.shape[0], k_cache.shape[1])
-    rows = _attention_fwd.prefill_tiling(config, q.dtype)[0]
-    if config.kv_split % rows:  # programs start on row blocks aligned to the splits (see kernel)
-        raise ValueError(f"paged prefill needs kv_split to be a multiple of its {rows} program rows, "
-                         f"got {config}")
     q = _unit_last_stride(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] > 0:

@@ -8,10 +8,11 @@ keep their data-dependent integers (row and token counts, chunk bounds) out of t
 (``do_not_specialize``) and launch on aligned buffers, so their keys change with the row
 count only where the schedule does: linear's row buckets (one tile config per bucket) and
 its ``MASK_ROWS`` flag below one tile of rows. ``linear_row_variants`` lists those
-exactly; ``warmup`` runs each op once per variant on zero inputs. Attention's launchers
-pass the token and sequence counts as specialised ints (``T``, ``num_seqs`` and the LSE
-row stride): ``warm_attention`` runs one packing per class of those values (1, a multiple
-of 16, any other), so they are compiled at start-up too.
+exactly; ``warmup`` runs each op once per variant on zero inputs. Attention keeps the
+token and sequence counts, the LSE row stride and the block-table width out of the key
+too, so one packing per mode (training forward with the LSE and its backward, rollout
+prefill without it, paged prefill, decode with one KV split and with several) compiles
+every attention kernel a later step launches.
 
 Where compiled kernels live: Triton's on-disk cache, ``$TRITON_CACHE_DIR`` (default
 ``~/.triton/cache``), one folder per key hash holding the binary and its metadata. A
@@ -32,7 +33,8 @@ from typing import Callable
 import torch
 
 from ._common import FLOAT_DTYPES, interpreting
-from .attention import attention_varlen
+from ._attention_fwd import default_config as _attention_config
+from .attention import attention_decode, attention_paged_prefill, attention_varlen, store_kv_cache
 
 # The op modules (the package attributes ``linear`` and ``rms_norm`` are the functions).
 _linear, _logprob, _rms, _rope, _swiglu = (importlib.import_module(f".{name}", __package__)
@@ -143,9 +145,8 @@ def warm_logprob(lm_head, dtype, device, training: bool, sampling: bool) -> list
     return tasks
 
 
-# Packings (sequence lengths) covering each class of (num_seqs, T) the attention key sees:
-# 1, a multiple of 16, any other value.
-_ATTENTION_PACKINGS = ((1,), (16,), (17,), (1, 15), (1, 16), (16,) * 16, (2,) + (1,) * 15, (1,) * 17)
+# One packing: the attention key does not see the packing (tests/test_compile_keys.py).
+_ATTENTION_PACKINGS = ((2, 3),)
 
 
 def _attention_step(lengths, heads, dtype, device, training: bool) -> None:
@@ -169,6 +170,31 @@ def warm_attention(heads, dtype, device, training: bool) -> list[Callable]:
             for lengths in _ATTENTION_PACKINGS for grad in ((False, True) if training else (False,))]
 
 
+def _paged_steps(heads, dtype, device, block_size: int) -> None:
+    """The KV store, paged prefill at an offset, and decode over a block table of one KV
+    split and of two (one launch, or the split programs and their combine)."""
+    hq, hk, d = heads
+    split_blocks = max(1, _attention_config().kv_split // block_size)
+    width = 2 * split_blocks
+    kc = torch.zeros(width + 1, block_size, hk, d, dtype=dtype, device=device)
+    tables = torch.arange(1, width + 1, dtype=torch.int32, device=device)[None]
+    q = torch.zeros(3, hq, d, dtype=dtype, device=device)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    starts = torch.tensor([block_size], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        kv = torch.zeros(3, hk, d, dtype=dtype, device=device)
+        store_kv_cache(kv, kv, kc, kc, torch.arange(3, device=device) + block_size, validate=False)
+        attention_paged_prefill(q, kc, kc, cu, 3, tables, starts, d ** -0.5, validate=False)
+        ctx = torch.ones(1, dtype=torch.int32, device=device)
+        for blocks in (split_blocks, width):
+            attention_decode(q[:1], kc, kc, tables[:, :blocks].contiguous(), ctx, d ** -0.5, validate=False)
+
+
+def warm_paged_attention(heads, dtype, device, block_size: int | None) -> list[Callable]:
+    """Rollout's paged attention for a KV cache of ``block_size`` (none when it is None)."""
+    return [] if block_size is None else [functools.partial(_paged_steps, heads, dtype, device, block_size)]
+
+
 def _cuda_index(device) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
@@ -182,10 +208,12 @@ def _bind_device(index: int | None) -> None:
 
 
 def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True,
-           sampling: bool = True, attention: bool = True, workers: int | None = None) -> dict[str, int]:
+           sampling: bool = True, attention: bool = True, block_size: int | None = None,
+           workers: int | None = None) -> dict[str, int]:
     """Run every op of ``shapes`` once per launch variant for 1..``max_rows`` rows
     (``max_rows``: the most tokens one forward will see: micro-batch tokens in training,
-    the prefill chunk in rollout). Returns the number of launches per op family.
+    the prefill chunk in rollout). ``block_size``: the paged KV cache's block size, to warm
+    rollout's paged prefill and decode too. Returns the number of launches per op family.
 
     The launches run on ``workers`` threads (default: up to 8, one per CPU core), so the
     compilations they trigger overlap (Triton's compiler and ptxas run outside the GIL);
@@ -201,6 +229,7 @@ def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True
         "rope": warm_rope(shapes.heads, dtype, device, training),
         "logprob": warm_logprob(shapes.lm_head, dtype, device, training, sampling),
         "attention": warm_attention(shapes.heads, dtype, device, training) if attention else [],
+        "paged_attention": warm_paged_attention(shapes.heads, dtype, device, block_size) if attention else [],
     }
     if workers is None:
         workers = 1 if interpreting() else max(1, min(8, os.cpu_count() or 1))
