@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--grid", default="h200", choices=("h200", "tiny"), help="tiny: a CPU smoke run")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--generations", type=int, default=3)
+    parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--cap", type=float, default=1.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--audit-timeout-s", type=float, default=240.0)

@@ -170,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--note", default="")
     p.add_argument("--tokens", type=int, default=0, help="LLM tokens spent on this proposal")
     p.add_argument("--budget-s", type=float, default=300.0, help="--mechanical: wall-clock budget")
-    p.add_argument("--generations", type=int, default=3, help="--mechanical: at most this many")
+    p.add_argument("--generations", type=int, default=8, help="--mechanical: at most this many")
     timing_options(p)
     p = command("audit", cmd_audit, "gate + paired timing of a candidate against the incumbent")
     p.add_argument("candidate")

@@ -176,5 +176,15 @@ class LinearOp(Op):
             return False
         return not (rows > 1024 and cfg.block_m == 64 and cfg.block_n < 128)
 
+    def restrict(self, delta: dict, winners: set, workloads) -> dict:
+        # A group (row bucket, N, K) stays only when every workload it holds was faster
+        # than the root; the other groups fall back to the kernel's table (the root's).
+        groups: dict = {}
+        for w in workloads:
+            groups.setdefault(group_key(w.params["m"], w.params["n"], w.params["k"]), []).append(w.name)
+        kept = {key: fields for key, fields in delta.items()
+                if groups.get(key) and all(name in winners for name in groups[key])}
+        return kept if kept != delta else {}
+
     def affects(self, delta, w) -> bool:
         return group_key(w.params["m"], w.params["n"], w.params["k"]) in delta

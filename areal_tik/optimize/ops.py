@@ -94,6 +94,16 @@ class Op:
         """Config deltas the mechanical proposer tries from ``config`` (one knob each)."""
         raise NotImplementedError
 
+    def closed_knobs(self, delta: dict) -> list[str]:
+        """The knobs a move closes when it changes bits ([] when a bit change says nothing
+        about a single knob, as for a move of several)."""
+        return []
+
+    def restrict(self, delta: dict, winners: set, workloads) -> dict:
+        """``delta`` cut to the entries whose every affected workload is in ``winners``
+        ({} when the op's config has no such entries)."""
+        return {}
+
     def apply(self, config: dict, delta: dict) -> dict:
         return self.normalise({**config, **delta})
 
