@@ -39,7 +39,8 @@ from areal_tik.optimize.proposers import Mechanical, SearchConfig  # noqa: E402
 from areal_tik.optimize.records import RunDir  # noqa: E402
 from areal_tik.optimize.summary import format_summary, summarize  # noqa: E402
 
-DEFAULT_BUDGET_S = {"attention": 300.0, "linear": 100.0}
+DEFAULT_BUDGET_S = {"attention": 300.0, "linear": 100.0, "logprob": 100.0, "norm": 40.0, "rope": 40.0,
+                    "swiglu": 40.0}
 
 
 def _budgets(items) -> dict:
