@@ -1,4 +1,5 @@
-"""Run the mechanical proposer on the GPU: attention (the 48-workload grid), then linear.
+"""Run the mechanical proposer on the GPU: attention (the 48-workload grid), linear, and on
+request log-prob, norm, rope, swiglu (``--ops logprob norm rope swiglu``).
 
 Usage (GPU, repo root):
     python3 eval/optimize_gpu.py --out DIR [--ops attention linear]

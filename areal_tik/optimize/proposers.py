@@ -188,6 +188,7 @@ class Mechanical:
                         "kind": "closed knob", "knob": knob, "value": cand.delta[knob], "source": cand.id,
                         "note": f"moving {knob} to {cand.delta[knob]!r} changed bits: {reason[:200]}",
                         "workloads": []})
+                    self.run.event("opportunity", note=state.opportunities[-1]["note"], kind="closed knob")
                     self.log(f"  closed knob {knob} ({cand.id}: {reason[:120]})")
             self.run.save_state(state)
 
