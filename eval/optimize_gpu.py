@@ -1,4 +1,5 @@
-"""Run the mechanical proposer on the GPU: attention (the 48-workload grid), then linear.
+"""Run the mechanical proposer on the GPU: attention (the 48-workload grid), linear, and on
+request log-prob, norm, rope, swiglu (``--ops logprob norm rope swiglu``).
 
 Usage (GPU, repo root):
     python3 eval/optimize_gpu.py --out DIR [--ops attention linear]
@@ -39,7 +40,8 @@ from areal_tik.optimize.proposers import Mechanical, SearchConfig  # noqa: E402
 from areal_tik.optimize.records import RunDir  # noqa: E402
 from areal_tik.optimize.summary import format_summary, summarize  # noqa: E402
 
-DEFAULT_BUDGET_S = {"attention": 300.0, "linear": 100.0}
+DEFAULT_BUDGET_S = {"attention": 300.0, "linear": 100.0, "logprob": 100.0, "norm": 40.0, "rope": 40.0,
+                    "swiglu": 40.0}
 
 
 def _budgets(items) -> dict:
@@ -86,7 +88,7 @@ def main() -> int:
     parser.add_argument("--grid", default="h200", choices=("h200", "tiny"), help="tiny: a CPU smoke run")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--generations", type=int, default=3)
+    parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--cap", type=float, default=1.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--audit-timeout-s", type=float, default=240.0)

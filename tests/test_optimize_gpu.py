@@ -33,7 +33,7 @@ def _load(op, tmp_path, name, body):
     return load_source(op, path, f"gpu_hack_{name}_{tmp_path.name}")
 
 
-@pytest.mark.parametrize("op_name", ["attention", "linear"])
+@pytest.mark.parametrize("op_name", ["attention", "linear", "logprob", "norm", "rope", "swiglu"])
 def test_the_gate_passes_the_root_config_with_the_gpu_checks(tmp_path, op_name):
     run = evaluator.init_run(tmp_path / "run", op_name, "h200", "cuda", coefficients="uniform")
     op = evaluator.make_op(op_name, "h200")

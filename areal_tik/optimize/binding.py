@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent
 KERNELS = PACKAGE.parent / "unified_kernels"
 # Everything that decides a verdict: checks, timing, launch evidence, ops, this file.
 EVALUATOR_FILES = ("binding.py", "checks.py", "evaluator.py", "launches.py", "op_attention.py",
-                   "op_linear.py", "ops.py", "timing.py")
+                   "op_linear.py", "op_logprob.py", "op_rows.py", "ops.py", "timing.py")
 
 
 class BindingError(RuntimeError):

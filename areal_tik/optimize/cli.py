@@ -20,6 +20,8 @@ import json
 import os
 import sys
 
+from .ops import OPS
+
 
 def _backend(device: str) -> None:
     # The Triton interpreter must be chosen before triton is imported (it fixes the mode).
@@ -152,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--l2-flush", action="store_true", help="flush the L2 cache before each timed replay")
 
     p = command("init", cmd_init, "start a run: freeze workloads, hashes and the root")
-    p.add_argument("--op", required=True, choices=("attention", "linear"))
+    p.add_argument("--op", required=True, choices=OPS)
     p.add_argument("--grid", default="h200", choices=("h200", "tiny"))
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--cap", type=float, default=1.05, help="per-workload slowdown cap against the root")
@@ -170,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--note", default="")
     p.add_argument("--tokens", type=int, default=0, help="LLM tokens spent on this proposal")
     p.add_argument("--budget-s", type=float, default=300.0, help="--mechanical: wall-clock budget")
-    p.add_argument("--generations", type=int, default=3, help="--mechanical: at most this many")
+    p.add_argument("--generations", type=int, default=8, help="--mechanical: at most this many")
     timing_options(p)
     p = command("audit", cmd_audit, "gate + paired timing of a candidate against the incumbent")
     p.add_argument("candidate")

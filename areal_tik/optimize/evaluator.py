@@ -20,10 +20,9 @@ import torch
 
 from . import binding, timing
 from .checks import CheckFailed, run_gate
-from .ops import load_source, workloads_from_json, workloads_hash
+from .ops import OPS, load_source, workloads_from_json, workloads_hash
 from .records import Action, Audit, Best, Candidate, Lineage, RunConfig, RunDir, RunError
 
-OPS = ("attention", "linear")
 
 
 def make_op(name: str, grid: str):
@@ -33,6 +32,12 @@ def make_op(name: str, grid: str):
     if name == "linear":
         from .op_linear import LinearOp
         return LinearOp(grid)
+    if name == "logprob":
+        from .op_logprob import LogprobOp
+        return LogprobOp(grid)
+    if name in ("norm", "rope", "swiglu"):
+        from . import op_rows
+        return {"norm": op_rows.NormOp, "rope": op_rows.RopeOp, "swiglu": op_rows.SwigluOp}[name](grid)
     raise ValueError(f"op must be one of {OPS}, got {name!r}")
 
 

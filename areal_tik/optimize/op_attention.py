@@ -186,6 +186,11 @@ class AttentionOp(Op):
                 moves.append({field: value})
         return moves
 
+    def closed_knobs(self, delta: dict) -> list[str]:
+        # One knob moved and the bits changed: that knob fixes the numerics (H200 at
+        # 8443ba9: kv_split 2048 and 512 both changed prefill and decode bits).
+        return list(delta) if len(delta) == 1 else []
+
     def affects(self, delta, w) -> bool:
         if set(delta) <= {"stages_decode"}:
             return w.kind == "decode"

@@ -21,6 +21,8 @@ import sys
 
 from .binding import sha256
 
+OPS = ("attention", "linear", "logprob", "norm", "rope", "swiglu")  # the ops the search knows
+
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -94,12 +96,33 @@ class Op:
         """Config deltas the mechanical proposer tries from ``config`` (one knob each)."""
         raise NotImplementedError
 
+    def closed_knobs(self, delta: dict) -> list[str]:
+        """The knobs a move closes when it changes bits ([] when a bit change says nothing
+        about a single knob, as for a move of several)."""
+        return []
+
+    def restrict(self, delta: dict, winners: set, workloads) -> dict:
+        """``delta`` cut to the entries whose every affected workload is in ``winners``
+        ({} when the op's config has no such entries)."""
+        return {}
+
     def apply(self, config: dict, delta: dict) -> dict:
         return self.normalise({**config, **delta})
 
     def affects(self, delta: dict, w: Workload) -> bool:
         """Can ``delta`` change this workload's time? (Successive halving skips the rest.)"""
         return True
+
+
+def restrict_groups(delta: dict, winners: set, workloads, key) -> dict:
+    """For table configs: ``delta`` cut to the table keys whose every workload (``key(w)``)
+    is in ``winners``; the other keys fall back to the kernel's table (the root's).
+    {} when nothing is cut."""
+    groups: dict = {}
+    for w in workloads:
+        groups.setdefault(key(w), []).append(w.name)
+    kept = {k: v for k, v in delta.items() if groups.get(k) and all(n in winners for n in groups[k])}
+    return kept if kept != delta else {}
 
 
 def load_source(op: Op, path, name: str):

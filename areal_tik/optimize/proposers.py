@@ -10,7 +10,16 @@ incumbent. A move whose bits differ is a failed audit at once. The survivors' be
 per group are merged into one candidate when they touch different knobs; the merged
 candidate and the best survivors get full audits (gate + paired timing on all
 workloads) and the fastest promotable one is promoted. Generations repeat from the new
-incumbent until no promotion, the generation count or the time budget ends it.
+incumbent until the generation count, the time budget or a lack of new moves ends it.
+
+A generation that promotes nothing does not end the search: the next one moves on from
+its best timed candidates (the "survivors", faster or not: two knobs that are each a
+little slower alone may be faster together). A move whose bits differ from the root's
+closes its knob (``op.closed_knobs``): a "closed knob" opportunity is recorded in the
+state and no later move touches that knob (the contract fixes it; the attention run at
+8443ba9 found kv_split so). An audit that passes the gate but breaks the per-workload
+cap yields a restricted candidate (``op.restrict``): the delta cut down to the table
+entries whose every workload was faster than the root in that audit, audited next.
 """
 from __future__ import annotations
 
@@ -26,13 +35,14 @@ from .records import RunDir, RunError
 @dataclasses.dataclass
 class SearchConfig:
     budget_s: float = 300.0  # wall-clock budget of the whole search
-    generations: int = 3
+    generations: int = 8
     rungs: int = 3
     finalists: int = 3  # full audits per generation (the merged candidate first)
+    parents: int = 3  # survivors a generation without a promotion moves on from
     max_candidates: int = 4096  # the time budget usually ends a search first
 
     def __post_init__(self):
-        for name in ("budget_s", "generations", "rungs", "finalists", "max_candidates"):
+        for name in ("budget_s", "generations", "rungs", "finalists", "parents", "max_candidates"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -40,6 +50,11 @@ class SearchConfig:
 
 def _key(delta: dict) -> tuple:
     return tuple(sorted(delta))
+
+
+def _diff(base: dict, config: dict) -> dict:
+    """The delta that turns ``base`` into ``config`` (both full, normalised configs)."""
+    return {k: v for k, v in config.items() if base.get(k) != v}
 
 
 def _weighted(workloads, times, name) -> float:
@@ -52,6 +67,7 @@ class Mechanical:
         self.op = evaluator.op
         self.end = time.time() + cfg.budget_s
         self.rng = random.Random(run.config.seed)
+        self.timed: dict = {}
         with run.locked():
             state = run.state()
             state.budget["candidates_max"] = cfg.max_candidates
@@ -61,31 +77,44 @@ class Mechanical:
         return self.end - time.time()
 
     def search(self) -> None:
+        parents = None  # None: move from the incumbent
         for gen in range(self.cfg.generations):
             if self.left() <= 0:
                 break
             incumbent = self.run.get("candidates", self.run.state().best)
-            cands = self._propose(incumbent, gen)
-            self.log(f"generation {gen}: incumbent {incumbent.id}, {len(cands)} new candidates")
+            self.timed = {}  # candidate id -> (candidate, rung-0 score) of this generation
+            cands = self._propose(parents or [incumbent], incumbent, gen)
+            self.log(f"generation {gen}: incumbent {incumbent.id}, from {[p.id for p in parents or [incumbent]]}"
+                     f", {len(cands)} new candidates")
             if not cands:
-                break
-            survivors = self._halve(cands, incumbent)
-            if not self._finish(survivors, incumbent, gen):
-                break
-
-    def _propose(self, incumbent, gen) -> list:
-        tried = {str(c.config) for c in self.run.all("candidates") if c.kind != "source"}
-        out = []
-        for delta in self.op.moves(incumbent.config):
-            used = self.run.state().budget["candidates_used"]
-            if used >= self.cfg.max_candidates:
-                break
-            if str(self.op.apply(incumbent.config, delta)) in tried:
+                if parents is None:
+                    break
+                parents = None  # the survivors' moves are spent: back to the incumbent's
                 continue
-            out.append(propose(self.run, self.op, delta=delta, parent=incumbent.id,
-                               proposer="mechanical", note=f"generation {gen}: move {delta}",
-                               check_duplicates=False))
-            tried.add(str(self.op.apply(incumbent.config, delta)))
+            survivors = self._halve(cands, incumbent)
+            if self._finish(survivors, incumbent, gen):
+                parents = None
+            else:
+                ranked = sorted(self.timed.values(), key=lambda cs: cs[1])
+                parents = [c for c, _ in ranked[:self.cfg.parents]] or None
+
+    def closed(self) -> set:
+        return {o["knob"] for o in self.run.state().opportunities if o.get("kind") == "closed knob"}
+
+    def _propose(self, parents, incumbent, gen) -> list:
+        tried = {str(c.config) for c in self.run.all("candidates") if c.kind != "source"}
+        closed, out = self.closed(), []
+        for parent in parents:
+            for delta in self.op.moves(parent.config):
+                if self.run.state().budget["candidates_used"] >= self.cfg.max_candidates:
+                    return out
+                config = self.op.apply(parent.config, delta)
+                if str(config) in tried or closed & set(self.op.closed_knobs(delta)):
+                    continue
+                out.append(propose(self.run, self.op, delta=delta, parent=parent.id, proposer="mechanical",
+                                   note=f"generation {gen}: move {delta} from {parent.id}",
+                                   check_duplicates=False))
+                tried.add(str(config))
         return out
 
     def _impls(self, incumbent, cand) -> dict:
@@ -121,9 +150,10 @@ class Mechanical:
         return alive
 
     def _screen(self, cand, incumbent, share, rung):
-        ws = [w for w in share if self.op.affects(cand.delta, w)]
+        delta = _diff(incumbent.config, cand.config)
+        ws = [w for w in share if self.op.affects(delta, w)]
         if not ws:
-            ws = [w for w in self.ev.workloads if self.op.affects(cand.delta, w)][:max(1, len(share))]
+            ws = [w for w in self.ev.workloads if self.op.affects(delta, w)][:max(1, len(share))]
         start = time.time()
         try:
             with deadline(self.ev.timeout_s):
@@ -135,12 +165,32 @@ class Mechanical:
             self.ev._record(cand, incumbent.id, False, False, failures,
                             {f"screen[rung {rung}]": failures[0]}, [], (0.0, 0.0, 0.0),
                             time.time() - start)
+            if any("differ in bits" in f for f in failures):
+                self._close(cand, failures[0])
             return None
         self.ev.spend(time.time() - start)
         ref = "incumbent" if "incumbent" in impls else "root"
         score = _weighted(ws, times, "candidate") / _weighted(ws, times, ref)
         self._note(cand.id, f"rung {rung}: T ratio {score:.4f} vs {incumbent.id} on {len(ws)} workloads")
+        if rung == 0:
+            self.timed[cand.id] = (cand, score)
         return score
+
+    def _close(self, cand, reason: str) -> None:
+        """Record the knobs a bit-changing one-knob move touched as closed (the contract fixes them)."""
+        knobs = self.op.closed_knobs(cand.delta)
+        with self.run.locked():
+            state = self.run.state()
+            known = {o["knob"] for o in state.opportunities if o.get("kind") == "closed knob"}
+            for knob in knobs:
+                if knob not in known:
+                    state.opportunities.append({
+                        "kind": "closed knob", "knob": knob, "value": cand.delta[knob], "source": cand.id,
+                        "note": f"moving {knob} to {cand.delta[knob]!r} changed bits: {reason[:200]}",
+                        "workloads": []})
+                    self.run.event("opportunity", note=state.opportunities[-1]["note"], kind="closed knob")
+                    self.log(f"  closed knob {knob} ({cand.id}: {reason[:120]})")
+            self.run.save_state(state)
 
     def _note(self, cand_id, note, status=None) -> None:
         with self.run.locked():
@@ -168,11 +218,11 @@ class Mechanical:
         """Audit the merged best moves and the best survivors; promote the fastest promotable."""
         best_per_key: dict = {}
         for cand, score in sorted(survivors, key=lambda cs: cs[1]):
-            best_per_key.setdefault(_key(cand.delta), cand)
+            best_per_key.setdefault(_key(_diff(incumbent.config, cand.config)), cand)
         finalists = [c for c, _ in sorted(survivors, key=lambda cs: cs[1])]
         if len(best_per_key) > 1 and len({k for key in best_per_key for k in key}) == sum(
                 len(key) for key in best_per_key):
-            delta = {k: v for c in best_per_key.values() for k, v in c.delta.items()}
+            delta = {k: v for c in best_per_key.values() for k, v in _diff(incumbent.config, c.config).items()}
             try:
                 merged = propose(self.run, self.op, delta=delta, parent=incumbent.id, proposer="mechanical",
                                  note=f"generation {gen}: merge of {[c.id for c in best_per_key.values()]}")
@@ -184,14 +234,37 @@ class Mechanical:
             if i >= self.cfg.finalists or (i > 0 and self.left() <= 0):
                 self._note(cand.id, "survived halving; not audited (finalist limit or budget)", "survivor")
                 continue
-            audit = self.ev.audit(cand.id)
-            self.log(f"  audit {audit.id} of {cand.id} {str(cand.delta)[:160]}: passed={audit.passed} "
-                     f"promotable={audit.promotable} {[r[:160] for r in audit.reasons[:2]]}")
+            audit = self._audit(cand)
             if audit.promotable:
                 audits.append(audit)
+            elif audit.passed and self.left() > 0:
+                restricted = self._restricted(audit, cand, incumbent, gen)
+                if restricted is not None:
+                    audit = self._audit(restricted)
+                    audits += [audit] if audit.promotable else []
         if not audits:
             return False
         best = min(audits, key=lambda a: a.t_candidate)
         result = promote(self.run, best.id)
         self.log(f"  promoted {best.candidate}: T(root)/T = {result.speedup:.4f}")
         return True
+
+    def _audit(self, cand):
+        audit = self.ev.audit(cand.id)
+        self.log(f"  audit {audit.id} of {cand.id} {str(cand.delta)[:160]}: passed={audit.passed} "
+                 f"promotable={audit.promotable} {[r[:160] for r in audit.reasons[:2]]}")
+        return audit
+
+    def _restricted(self, audit, cand, incumbent, gen):
+        """The candidate's delta cut to the entries where it won: a promotable candidate
+        when its losses (the per-workload cap) lie on other entries than its wins."""
+        winners = {r["name"] for r in audit.workloads if r["candidate_us"] < r["root_us"]}
+        delta = self.op.restrict(_diff(incumbent.config, cand.config), winners, self.ev.workloads)
+        if not delta:
+            return None
+        try:
+            return propose(self.run, self.op, delta=delta, parent=incumbent.id, proposer="mechanical",
+                           note=f"generation {gen}: {cand.id} restricted to the entries whose every "
+                                f"workload was faster than the root in {audit.id}")
+        except RunError:
+            return None  # tried before

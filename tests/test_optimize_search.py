@@ -1,0 +1,80 @@
+"""The mechanical proposer's search logic on CPU: a bit-changing knob is closed and never
+moved again, a generation without a promotion moves on from its survivors, and an audit
+blocked by the per-workload cap yields a candidate restricted to the table entries where
+it won. The timing source in the last two tests is a fake (``FakeTimingEvaluator``: a
+table of latencies by config, no kernel timed); the gate and the bits are real."""
+
+from areal_tik.optimize import evaluator
+from areal_tik.optimize.op_linear import group_key
+from areal_tik.optimize.proposers import Mechanical, SearchConfig
+
+WIN, LOSE = "24x32", "40x48"  # the tiny linear grid's two weight shapes (N x K)
+
+
+class FakeTimingEvaluator(evaluator.Evaluator):
+    """Latency by config, for the proposer's logic only: 10 us where an impl runs the
+    kernel's own table, ``factor[N x K]`` x 10 us where its config sets the group."""
+
+    def __init__(self, run, factor: dict):
+        super().__init__(run, rounds=1)
+        self.factor = factor
+
+    def time(self, impls, workloads, seed, rounds=None):
+        out = {}
+        for w in workloads:
+            key = group_key(w.params["m"], w.params["n"], w.params["k"])
+            shape = key.split(":")[1]
+            out[w.name] = {name: 10.0 * (self.factor[shape] if key in impl.config else 1.0)
+                           for name, impl in impls.items()}
+        return out, []
+
+
+def _quiet(*args):
+    pass
+
+
+def test_a_bit_changing_attention_knob_is_closed_and_not_proposed_again(tmp_path):
+    run = evaluator.init_run(tmp_path / "run", "attention", "tiny", coefficients="uniform")
+    ev = evaluator.Evaluator(run, rounds=1)
+    search = Mechanical(run, ev, SearchConfig(budget_s=60), log=_quiet)
+    root = run.get("candidates", "root")
+    split = root.config["kv_split"] // 2  # the tiny contract case's 40-token rows cross it
+    cand = evaluator.propose(run, ev.op, delta={"kv_split": split}, proposer="mechanical")
+    decode = [w for w in ev.workloads if w.name == "decode.b1.c40"]
+    assert search._screen(cand, root, decode, 0) is None
+    closed = [o for o in run.state().opportunities if o["kind"] == "closed knob"]
+    assert [(o["knob"], o["value"], o["source"]) for o in closed] == [("kv_split", split, cand.id)]
+    assert "differ in bits" in closed[0]["note"]
+    assert run.get("lineage", cand.id).status == "failed"
+    moved = [set(c.delta) for c in search._propose([root], root, 1)]
+    assert moved and all("kv_split" not in knobs for knobs in moved)
+
+
+def test_a_generation_without_a_promotion_moves_on_from_its_survivors(tmp_path):
+    run = evaluator.init_run(tmp_path / "run", "linear", "tiny", coefficients="uniform")
+    ev = FakeTimingEvaluator(run, {WIN: 1.01, LOSE: 1.02})  # every move a little slower
+    Mechanical(run, ev, SearchConfig(budget_s=60, generations=2, parents=2), log=_quiet).search()
+    first = {c.id for c in run.all("candidates") if c.parent == "root"}
+    second = [c for c in run.all("candidates") if c.parent not in (None, "root")]
+    assert second and {c.parent for c in second} <= first and len({c.parent for c in second}) == 2
+    for c in second:  # a move on the survivor's config, not the root's
+        assert c.config == ev.op.apply(run.get("candidates", c.parent).config, c.delta)
+    assert any(len(c.config) == 2 for c in second)  # the survivor's group and the other one
+    assert run.state().best == "root" and not run.all("audits")
+
+
+def test_a_cap_blocked_audit_yields_a_promotable_restricted_delta(tmp_path):
+    run = evaluator.init_run(tmp_path / "run", "linear", "tiny", coefficients="uniform")
+    ev = FakeTimingEvaluator(run, {WIN: 0.8, LOSE: 1.06})  # wins on one group, breaks the cap on the other
+    search = Mechanical(run, ev, SearchConfig(budget_s=120), log=_quiet)
+    moves = ev.op.moves({})
+    rows = moves[0][next(iter(moves[0]))]  # one geometry for every group
+    delta = {key: rows for key in {k for m in moves for k in m}}
+    both = evaluator.propose(run, ev.op, delta=delta, proposer="mechanical")
+    assert search._finish([(both, 0.9)], run.get("candidates", "root"), 0)
+    first, second = run.all("audits")
+    assert first.candidate == both.id and first.passed and not first.promotable
+    assert any("cap 1.05x" in r for r in first.reasons)
+    best = run.get("candidates", run.state().best)
+    assert second.promotable and best.id == second.candidate and best.config == {k: v for k, v in delta.items() if k.endswith(WIN)}
+    assert f"{both.id} restricted" in best.note and run.best().speedup > 1.0
