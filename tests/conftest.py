@@ -4,8 +4,19 @@ from areal_tik.runtime import use_interpreter_without_gpu
 # Must run before any kernel module is imported (triton.jit reads it at decoration).
 use_interpreter_without_gpu()
 
+import os  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from areal_tik.qualify import CACHE_ENV  # noqa: E402
+
+# One device-qualification cache per test session (the actor and `check` consult it;
+# server and launcher subprocesses inherit it): the probe runs once, not once per test,
+# and never writes to the user's cache.
+os.environ.setdefault(CACHE_ENV, str(Path(tempfile.mkdtemp(prefix="areal-tik-qualify-")) / "verdicts.json"))
 
 
 @pytest.fixture

@@ -134,9 +134,6 @@ def test_bad_option_values(load):
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["++gconfig.top_p=0.9"], "top-p sampling"),
-    (["++gconfig.top_k=20"], "top-k sampling"),
-    (["++gconfig.greedy=true"], "greedy decoding"),
     (["++gconfig.temperature=0.7", "++actor.temperature=1.0"], "rollout temperature"),
     (["++gconfig.min_new_tokens=2"], "min_new_tokens"),
     (["++rollout.tik_engine=off"], "not the areal-tik engine"),
@@ -149,9 +146,18 @@ def test_inexact_configs_refuse_reuse(load, overrides, reason):
     assert any(reason in r for r in reasons), reasons
 
 
-def test_top_k_at_vocab_size_is_no_filter(load):
-    assert reuse_refusals(load(["++gconfig.top_k=256"]), vocab_size=256) == []
-    assert reuse_refusals(load(["++gconfig.top_k=0"]), vocab_size=256) == []
+@pytest.mark.parametrize("overrides", [["++gconfig.top_p=0.9"], ["++gconfig.top_k=20"], ["++gconfig.top_k=256"],
+                                       ["++gconfig.top_k=0"], ["++gconfig.greedy=true"]])
+def test_truncated_sampling_keeps_reuse(load, overrides):
+    # the recorded log-prob is the full softmax at the temperature: the recompute's bits
+    assert reuse_refusals(load(overrides), vocab_size=256) == []
+
+
+def test_the_reaction_to_a_mismatch_is_an_option(load):
+    assert load().actor.tik_on_mismatch == "recompute"
+    assert load(["++actor.tik_on_mismatch=stop"]).actor.tik_on_mismatch == "stop"
+    with pytest.raises(ValueError, match=r"tik_on_mismatch must be one of \('recompute', 'warn', 'stop'\), got 'halt'"):
+        load(["++actor.tik_on_mismatch=halt"])
 
 
 def test_refused_reuse_keeps_the_recompute(load):

@@ -8,14 +8,15 @@ import torch
 
 
 from areal_tik import patches
-from areal_tik.adapter import patch_list, reuse
+from areal_tik.adapter import exactness, patch_list, reuse
 from areal_tik.adapter.audit import RunState
 from areal_tik.adapter.launch import spmd_environment
 from areal_tik.bitwise import compare_bits
 
 
-def trajectory(prompt_len: int, versions: list[int], pad: int = 0, seed: int = 0) -> dict:
-    """An RLVRWorkflow-shaped [1, L] trajectory: prompt, then one token per version."""
+def trajectory(prompt_len: int, versions: list[int], pad: int = 0, seed: int = 0, exact: bool = True) -> dict:
+    """An RLVRWorkflow-shaped [1, L] trajectory: prompt, then one token per version;
+    ``exact``: stamped as the areal-tik executor does (temperature 1.0, full softmax)."""
     g = torch.Generator().manual_seed(seed)
     n = prompt_len + len(versions)
     logprobs = torch.cat([torch.zeros(prompt_len), -torch.rand(len(versions), generator=g) * 5])
@@ -28,7 +29,10 @@ def trajectory(prompt_len: int, versions: list[int], pad: int = 0, seed: int = 0
     )
     if pad:
         t = {k: torch.cat([v, torch.zeros(pad, dtype=v.dtype)]) for k, v in t.items()}
-    return {k: v.unsqueeze(0) for k, v in t.items()}
+    t = {k: v.unsqueeze(0) for k, v in t.items()}
+    if exact:
+        exactness.stamp(t, [(1.0, True)])
+    return t
 
 
 def group(*trajs) -> dict:

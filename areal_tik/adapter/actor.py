@@ -20,7 +20,8 @@ from torch import distributed as dist
 from areal_tik.bitwise import compare_bits
 from areal_tik.unified_kernels._common import interpreting
 
-from .audit import RunState
+from . import exactness
+from .audit import REACTIONS, RunState
 from .config import actor_refusals
 from .log import logger
 from .old_logprobs import OldLogprobs
@@ -46,6 +47,21 @@ def is_in_process_engine(engine) -> bool:
     return is_tik_engine(engine) and bool(getattr(engine, "tik_in_process", False))
 
 
+def qualification_refusals(tik_model) -> list[str]:
+    """Device qualification before reuse (``areal_tik.qualify``: the contract probe, its
+    verdict cached on disk per device key): [] when it passed, else the reason naming the
+    failing ops."""
+    from areal_tik.qualify import cache_path, qualify
+
+    verdict = qualify(tik_model.device)
+    source = f"cached in {cache_path()}" if verdict.cached else f"probed in {verdict.seconds:.1f} s"
+    if verdict.passed:
+        logger.info("areal-tik: %s (%s)", verdict.message(), source)
+        return []
+    return [f"{verdict.message()} (failing: {', '.join(verdict.failing_ops)}; {source}; "
+            "python -m areal_tik.qualify --refresh probes again)"]
+
+
 class TikFSDPPPOActor(FSDPPPOActor):
     """FSDPPPOActor whose forward runs on the areal-tik unified model when the flag is on."""
 
@@ -54,6 +70,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         self.tik_model = None
         self.old_logprobs: OldLogprobs | None = None
         self._tik_first_minibatch = False
+        self._tik_audit_minibatch = True  # this step's first minibatch is an audit
 
     @property
     def tik_flag(self) -> bool:
@@ -109,12 +126,18 @@ class TikFSDPPPOActor(FSDPPPOActor):
             refusals.append(f"the unified kernels do not support this model ({exc}); the actor runs "
                             "AReaL's stock forward")
         refusals += actor_refusals(self.config)
-        self.old_logprobs = OldLogprobs(RunState(audit_every=self.config.tik_audit_every), self._recompute,
-                                        self._all_reduce, audit_sequences=self.config.tik_audit_sequences)
+        if self.tik_model is not None and not refusals:
+            refusals += qualification_refusals(self.tik_model)
+        state = RunState(audit_every=self.config.tik_audit_every, on_mismatch=self.config.tik_on_mismatch)
+        self.old_logprobs = OldLogprobs(state, self._recompute, self._all_reduce,
+                                        audit_sequences=self.config.tik_audit_sequences,
+                                        temperature=float(self.config.temperature))
         self.config.skip_recompute_while(lambda: self.old_logprobs.reuse_active)
         self.tik_refuse(refusals)
         if self.tik_model is not None:
-            logger.info("areal-tik: actor forward runs %r", self.tik_model)
+            logger.info("areal-tik: actor forward runs %r; a differing bit in an audit or a first "
+                        "minibatch: %s (actor.tik_on_mismatch, tik/on_mismatch=%d)", self.tik_model,
+                        state.on_mismatch, REACTIONS.index(state.on_mismatch))
 
     def tik_refuse(self, reasons: list[str]) -> None:
         """Add config-level reasons why reuse would not be exact; logs the refusal."""
@@ -221,16 +244,32 @@ class TikFSDPPPOActor(FSDPPPOActor):
     def compute_advantages(self, data, *args, **kwargs):
         if self.tik_enabled and isinstance(data, list) and data:
             self._prepare_old_logprobs(data)
+        if isinstance(data, list):
+            exactness.pop_fields(data)
         return super().compute_advantages(data, *args, **kwargs)
 
     def _record_first_minibatch(self, logprobs: torch.Tensor, mb: dict[str, Any]) -> None:
-        """Bits of the first minibatch's ratio numerator vs its denominator (AReaL's prox)."""
+        """The first minibatch is an audit of every step: its forward (before any optimizer
+        step) against the ratio's denominator (AReaL's prox), bit for bit, on the tokens
+        the current weights sampled; a differing bit triggers ``tik_on_mismatch``."""
         reference = mb["prox_logp"] if mb.get("prox_logp") is not None else mb["logprobs"]
         mask = mb["loss_mask"].bool().reshape(-1)
+        if mb.get("versions") is not None:  # stale tokens were sampled by other weights
+            fresh = torch.roll(mb["versions"].reshape(-1), shifts=-1, dims=-1) == self.get_version()
+            mask = mask & fresh.to(mask.device)
         result = compare_bits([reference.reshape(-1)], [logprobs.reshape(-1)], [mask])
         log_tik_stats(first_minibatch_exact_fraction=result.fraction_identical,
                       first_minibatch_max_abs_log_ratio=result.max_abs_delta)
-        self.tik_state.first_minibatch_exact.append(result.fraction_identical)
+        state = self.tik_state
+        state.first_minibatch_exact.append(result.fraction_identical)
+        if result.conclusive and not result.identical and state.reuse_active and self._tik_audit_minibatch:
+            state.react(f"first minibatch at weights version {self.get_version()}: "
+                        f"{result.num_tokens - result.num_identical} of {result.num_tokens} log-probs of "
+                        f"the training forward differ from the old log-probs (max |delta| "
+                        f"{result.max_abs_delta:.3g})")
+            log_tik_stats(mismatches=float(state.mismatches))
+            if state.fallback_reason is not None:
+                self._recompute_from_now_on()
 
     # ------------------------------------------------------------------ old log-probs
 
@@ -253,6 +292,26 @@ class TikFSDPPPOActor(FSDPPPOActor):
         """Reuse, audit and fallback for one step's rollout batch (``old_logprobs``)."""
         needs_prox = self.config.stock_should_compute_prox_logp()
         stats, fell_back = self.old_logprobs.prepare(batch, self.get_version(), needs_prox)
+        exactness.pop_fields(batch)
+        # Rows whose reuse was refused keep the rollout's log-probs where AReaL's default mode
+        # reads them (no prox_logp): another temperature's bits, not an audit failure.
+        refused = stats.get("rows_refused_temperature", 0) + stats.get("rows_refused_no_exactness", 0)
+        self._tik_audit_minibatch = needs_prox or refused == 0
         if fell_back:
-            self.config.recompute_logprob = True  # AReaL asks for the recompute every later step
+            self._recompute_from_now_on()
+        state = self.tik_state
+        stats.update(mismatches=float(state.mismatches), on_mismatch=float(REACTIONS.index(state.on_mismatch)),
+                     objective_recompute=float(state.fallback_reason is not None and not needs_prox))
         log_tik_stats(**stats)
+
+    def _recompute_from_now_on(self) -> None:
+        """AReaL recomputes old log-probs every later step. In AReaL's default mode (recompute
+        off, no decoupled loss) that changes the objective, from the rollout's log-probs to
+        the trainer's, as old log-probs: said here and in ``tik/objective_recompute``."""
+        if not self.config.stock_should_compute_prox_logp():
+            logger.warning(
+                "areal-tik: the objective of this run changes: AReaL's default mode (recompute_logprob "
+                "off, no decoupled loss) takes the rollout log-probs as old log-probs; they differ from "
+                "the trainer's, so from this step on the old log-probs are the trainer's recompute "
+                "(actor.recompute_logprob=true; actor.tik_on_mismatch=warn keeps the rollout's)")
+        self.config.recompute_logprob = True

@@ -2,9 +2,15 @@
 
 Every audit recomputes a sample of sequences with the trainer's forward and compares the
 bits of the rollout log-probs of fresh tokens with the recomputed ones (``torch.equal``
-on integer views, ``areal_tik.bitwise.compare_bits``; no tolerance). One differing bit switches the run to recompute for
-good: a loud warning, the reason kept in ``RunState.fallback_reason`` and the metric
-``tik/fallback`` = 1.
+on integer views, ``areal_tik.bitwise.compare_bits``; no tolerance); the first
+minibatch of every PPO update is a second audit (its forward against the reused
+log-probs). One differing bit triggers the run's reaction (``actor.tik_on_mismatch``,
+``REACTIONS``):
+
+- ``recompute`` (default): the run recomputes old log-probs for good: a loud warning,
+  the reason kept in ``RunState.fallback_reason`` and the metric ``tik/fallback`` = 1;
+- ``warn``: a warning and ``tik/mismatches`` counts it; reuse continues;
+- ``stop``: ``ExactnessError`` ends the run.
 """
 from __future__ import annotations
 
@@ -14,6 +20,12 @@ from dataclasses import dataclass, field
 from areal_tik.bitwise import BitComparison
 
 from .log import logger
+
+REACTIONS = ("recompute", "warn", "stop")  # index = the tik/on_mismatch code in W&B
+
+
+class ExactnessError(RuntimeError):
+    """A rollout log-prob differs from the trainer's and ``tik_on_mismatch`` is ``stop``."""
 
 
 def describe_mismatch(result: BitComparison) -> str:
@@ -38,6 +50,12 @@ class RunState:
     seconds_saved: float = 0.0
     recompute_timing: tuple[float, int] | None = None  # (seconds, tokens) of the latest recompute
     first_minibatch_exact: list[float] = field(default_factory=list)
+    on_mismatch: str = "recompute"        # one of REACTIONS
+    mismatches: int = 0                   # audits (incl. first minibatches) that found a differing bit
+
+    def __post_init__(self):
+        if self.on_mismatch not in REACTIONS:
+            raise ValueError(f"on_mismatch must be one of {REACTIONS}, got {self.on_mismatch!r}")
 
     @property
     def reuse_allowed(self) -> bool:
@@ -65,10 +83,25 @@ class RunState:
             logger.info("areal-tik audit at step %d: %d/%d log-probs bitwise equal",
                         step + 1, result.num_identical, result.num_tokens)
         else:
-            self.fall_back(
+            self.react(
                 f"bitwise audit failed at step {step + 1}: {result.num_tokens - result.num_identical} of "
                 f"{result.num_tokens} rollout log-probs differ from the trainer's recompute "
                 f"(max |delta| {result.max_abs_delta:.3g}; first: {describe_mismatch(result)})")
+
+    def react(self, reason: str) -> None:
+        """A differing bit was found: do what ``on_mismatch`` says."""
+        self.mismatches += 1
+        if self.on_mismatch == "stop":
+            message = f"areal-tik: stopping the run (actor.tik_on_mismatch=stop): {reason}"
+            logger.error(message)
+            raise ExactnessError(message)
+        if self.on_mismatch == "warn":
+            message = (f"areal-tik: {reason}. Reuse continues (actor.tik_on_mismatch=warn): the old "
+                       f"log-probs of this run are not all the trainer's ({self.mismatches} mismatches so far)")
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return
+        self.fall_back(reason)
 
     def fall_back(self, reason: str) -> None:
         """Switch the run to recompute for good and say so loudly."""
@@ -105,6 +138,9 @@ class RunState:
         if self.fallback_reason is not None:
             return "FELL BACK to recompute: " + self.fallback_reason
         passed = sum(a.identical for a in self.audits)
+        if self.mismatches:
+            return (f"{self.mismatches} audits found differing bits; reuse continued "
+                    f"(on_mismatch={self.on_mismatch}), {passed} audits bitwise equal")
         if passed == 0:
             return "no conclusive audit yet"
         return f"all {passed} audits bitwise equal"
@@ -123,4 +159,6 @@ class RunState:
             "recompute_seconds_saved": self.seconds_saved,
             "refusals": list(self.refusals),
             "fallback_reason": self.fallback_reason,
+            "on_mismatch": self.on_mismatch,
+            "mismatches": self.mismatches,
         }

@@ -26,7 +26,7 @@ from areal.api.io_struct import HttpGenerationResult, HttpRequest, WeightUpdateR
 from areal.infra import workflow_context
 from areal.infra.utils.http import arequest_with_retry
 
-from . import sampling
+from . import exactness, sampling
 from .inference import TrainerFacingEngine, new_token_budget
 
 
@@ -35,6 +35,8 @@ class TikGenerationResult(HttpGenerationResult):
     """``HttpGenerationResult`` plus the weight version of each output token."""
 
     output_versions: list[int] = field(default_factory=list)
+    logprob_temperature: float | None = None      # None: the server did not say
+    logprobs_match_sampling: bool | None = None
 
 
 class TikServerBackend:
@@ -59,7 +61,9 @@ class TikServerBackend:
             raise ValueError(f"server returned {len(pairs)} tokens but {len(versions)} versions")
         return TikGenerationResult(
             output_tokens=[int(p[1]) for p in pairs], output_logprobs=[float(p[0]) for p in pairs],
-            stop_reason=meta["finish_reason"]["type"], output_versions=versions)
+            stop_reason=meta["finish_reason"]["type"], output_versions=versions,
+            logprob_temperature=meta.get("logprob_temperature"),
+            logprobs_match_sampling=meta.get("logprobs_match_sampling"))
 
     def build_score_request(self, input_ids, target_len, with_lora, version) -> HttpRequest:
         raise NotImplementedError("the areal-tik server does not score prompts (compute_logp)")
@@ -130,7 +134,7 @@ class TikServerBackend:
         model = server_args.get("model") or server_args.get("model_path")
         if not model:
             raise ValueError(f"server_args needs 'model' (or 'model_path'), got {sorted(server_args)}")
-        cmd = [sys.executable, "-m", "areal_tik.cli", "serve", "--model", str(model),
+        cmd = [sys.executable, "-m", "areal_tik.cli", "serve", "--model", str(model), "--exit-with-parent",
                "--host", str(server_args.get("host", "127.0.0.1")), "--port", str(server_args.get("port", 0))]
         for key in ("dtype", "kernels", "device"):
             if server_args.get(key) is not None:
@@ -210,6 +214,7 @@ class TikRemoteInfEngine(TrainerFacingEngine):
             if not isinstance(result, dict):
                 raise ValueError(f"expected a JSON object from the server, got {type(result).__name__}")
             out = self.backend.parse_generation_response(result)
+            exactness.record(out.logprob_temperature, out.logprobs_match_sampling)
             stop_reason = out.stop_reason
             tokens += out.output_tokens
             logprobs += out.output_logprobs

@@ -8,6 +8,7 @@ YAML (loaded by AReaL's own ``load_expr_config``; unknown keys still raise)::
       tik_reuse_logprobs: true     # rollout log-probs are the old/proximal log-probs
       tik_audit_every: 10          # bitwise audit on step 1 and every N steps (0: step 1 only)
       tik_audit_sequences: 4       # sequences recomputed per audit (0: the whole batch)
+      tik_on_mismatch: recompute   # a differing bit: recompute from now on / warn / stop
       tik_kernels: unified         # "standard" runs the same code on stock kernels (baseline)
     rollout:
       backend: "sglang:d1"         # AReaL's parser needs an inference backend name; with
@@ -46,7 +47,8 @@ from areal.api.cli_args import (
 from areal_tik.engine.config import EngineConfig
 from areal_tik.runtime import KERNEL_SETS
 
-from .sampling import UNSUPPORTED, top_k_active, unsupported_set
+from .audit import REACTIONS
+from .sampling import UNSUPPORTED, unsupported_set
 
 TIK_ENGINE_MODES = ("auto", "inprocess", "server", "off")
 
@@ -70,6 +72,11 @@ class TikPPOActorConfig(PPOActorConfig):
     tik_audit_sequences: int = field(
         default=4,
         metadata={"help": "Sequences recomputed per audit; 0 recomputes the whole batch."})
+    tik_on_mismatch: str = field(
+        default="recompute",
+        metadata={"help": "What a differing bit in an audit or the first minibatch does: 'recompute' "
+                          "old log-probs from then on, 'warn' and keep reusing, or 'stop' the run.",
+                  "choices": list(REACTIONS)})
     tik_kernels: str = field(
         default="unified",
         metadata={"help": "Kernel set of the areal-tik model: 'unified' or 'standard' "
@@ -84,6 +91,8 @@ class TikPPOActorConfig(PPOActorConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"actor.{name} must be an int >= 0, got {value!r}")
+        if self.tik_on_mismatch not in REACTIONS:
+            raise ValueError(f"actor.tik_on_mismatch must be one of {REACTIONS}, got {self.tik_on_mismatch!r}")
         if self.tik_kernels not in KERNEL_SETS:
             raise ValueError(f"actor.tik_kernels must be one of {KERNEL_SETS}, got {self.tik_kernels!r}")
         if self.unified_kernels:
@@ -273,12 +282,8 @@ def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,
         reasons.append(
             f"rollouts come from AReaL's {config.rollout.backend.split(':')[0]!r} backend, not the "
             "areal-tik engine, so their log-probs are not bitwise the trainer's")
-    if g.greedy:
-        reasons.append("greedy decoding (gconfig.greedy=true) samples from no distribution")
-    if top_k_active(g.top_k, vocab_size):
-        reasons.append(f"top-k sampling (gconfig.top_k={g.top_k}) differs from the full softmax")
-    if g.top_p < 1.0:
-        reasons.append(f"top-p sampling (gconfig.top_p={g.top_p}) differs from the full softmax")
+    # Greedy, top-k and top-p keep reuse: the recorded log-prob is the full-vocabulary
+    # softmax at the temperature, the bits the recompute gives (``exactness`` explains).
     options = {name: getattr(g, name) for name in UNSUPPORTED if hasattr(g, name)}
     reasons += [f"gconfig.{name}={options[name]!r} is not implemented by the areal-tik engine"
                 for name in unsupported_set(options)]

@@ -25,6 +25,7 @@ from areal.infra import RemoteInfEngine, WorkflowExecutor
 from areal.utils import logging as areal_logging
 from areal.utils import perf_tracer, stats_tracker
 
+from . import exactness
 from .config import ColocatedEngineConfig
 from .log import logger
 from .sampling import sampling_params
@@ -64,7 +65,19 @@ def build_llm(engine_config, model_path: str, dtype: torch.dtype, kernels: str, 
 
 class TrainerFacingEngine(RemoteInfEngine):
     """What AReaL's engine classes (``RemoteSGLangEngine``) add to ``RemoteInfEngine`` for
-    the trainer: stats export and the perf tracer."""
+    the trainer: stats export and the perf tracer; and trajectories that carry their
+    exactness fields (``exactness.ExactnessWorkflowExecutor`` replaces the executor
+    ``RemoteInfEngine.initialize`` builds)."""
+
+    @property
+    def workflow_executor(self) -> WorkflowExecutor:
+        return RemoteInfEngine.workflow_executor.fget(self)
+
+    @workflow_executor.setter
+    def workflow_executor(self, executor: WorkflowExecutor) -> None:
+        if type(executor) is WorkflowExecutor:  # AReaL's own, not yet initialized
+            executor = exactness.ExactnessWorkflowExecutor(config=executor.config, inference_engine=self)
+        RemoteInfEngine.workflow_executor.fset(self, executor)
 
     def export_stats(self) -> dict[str, float]:
         return stats_tracker.export_all(reduce_group=None)
@@ -121,6 +134,7 @@ class TikInferenceEngine(TrainerFacingEngine):
         start = time.perf_counter()
         out = await asyncio.wrap_future(self.llm.submit(list(req.input_ids), params))
         latency = time.perf_counter() - start
+        exactness.record(out.logprob_temperature, out.logprobs_match_sampling)
         stop_reason = "length" if out.finish_reason == "abort" else out.finish_reason
         return ModelResponse(
             input_tokens=list(req.input_ids), output_tokens=list(out.token_ids),

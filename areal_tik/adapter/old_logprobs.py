@@ -3,15 +3,20 @@
 For each batch (AReaL trajectory dicts, before ``compute_advantages``):
 
 1. plan: every scored token sampled by the current weights reuses its rollout log-prob;
-   sequences holding older ("stale") tokens are listed for recompute (``reuse.py``);
-2. recompute, in one pass, the stale sequences and, on audit steps, a sample of
-   sequences with fresh tokens;
+   sequences holding older ("stale") tokens are listed for recompute (``reuse.py``), and
+   so are the rows whose reuse ``exactness.row_refusals`` refuses (log-prob temperature
+   not the actor's, or a trajectory without the exactness fields), counted in ``tik/*``;
+2. recompute, in one pass, the stale sequences (only where AReaL's loss reads
+   ``prox_logp``: in its default mode, recompute off and no decoupled loss, the rollout
+   log-probs are the old log-probs and nothing is recomputed to be thrown away) and, on
+   audit steps, a sample of sequences with fresh tokens;
 3. compare the sample's rollout log-probs with the recomputed ones bit for bit
    (``areal_tik.bitwise``), summed over the training processes: one verdict for all;
 4. merge the recomputed values in at the stale positions;
 5. account the tokens reused and recomputed and the recompute time saved;
-6. fall back: after a failed audit the whole batch is recomputed and the run recomputes
-   from then on (``RunState.fall_back`` says so loudly).
+6. react to a failed audit as ``RunState.on_mismatch`` says; with ``recompute`` the
+   whole batch is recomputed and the run recomputes from then on (``RunState.fall_back``
+   says so loudly).
 
 ``OldLogprobs`` takes its recompute (trajectory dicts -> per-row log-probs, AReaL's
 ``compute_logp`` in a run) and its all-reduce over processes as arguments, so it runs
@@ -26,8 +31,9 @@ import torch
 
 from areal_tik.bitwise import BitComparison, compare_bits
 
-from . import reuse
+from . import exactness, reuse
 from .audit import RunState
+from .log import logger
 
 Recompute = Callable[[list[dict]], list[torch.Tensor]]
 AllReduce = Callable[[list[float], str], list[float]]  # (values, "sum" | "max") -> reduced values
@@ -43,11 +49,13 @@ class OldLogprobs:
     """Reuse, audit and fallback of one run (its ``state`` is the run's ``RunState``)."""
 
     def __init__(self, state: RunState, recompute: Recompute, all_reduce: AllReduce = single_process,
-                 audit_sequences: int = 4):
+                 audit_sequences: int = 4, temperature: float = 1.0):
         self.state = state
         self.recompute = recompute
         self.all_reduce = all_reduce
         self.audit_sequences = audit_sequences
+        self.temperature = temperature  # the actor's: the trainer's log-probs are at this one
+        self._missing_logged = False
 
     @property
     def reuse_active(self) -> bool:
@@ -73,11 +81,12 @@ class OldLogprobs:
         return stats, fell_back
 
     def _reuse(self, batch: list[dict], version: int, needs_prox: bool) -> dict[str, float]:
-        state, stats = self.state, {}
-        plan = reuse.plan_reuse(batch, version)
+        state = self.state
+        refused, stats = self._refusals(batch)
+        plan = reuse.plan_reuse(batch, version, refused)
         audit_due = state.audit_due(version)
-        audit_rows = self._audit_rows(batch, version) if audit_due else []
-        stale_rows = plan.stale_rows()
+        audit_rows = self._audit_rows(batch, version, refused) if audit_due else []
+        stale_rows = plan.stale_rows() if needs_prox else []  # default mode: nothing to replace
         rows = list(dict.fromkeys(audit_rows + stale_rows))
         if self.all_reduce([float(len(rows))], "max")[0] > 0 and not rows:
             rows = [(0, 0)]  # another process recomputes: join its collectives with one sequence
@@ -93,9 +102,28 @@ class OldLogprobs:
             stats.update(self._account(batch, plan, stale_rows, needs_prox))
         return stats
 
-    def _audit_rows(self, batch: list[dict], version: int) -> Rows:
+    def _refusals(self, batch: list[dict]) -> tuple[list[torch.Tensor], dict[str, float]]:
+        """Per trajectory the rows whose reuse is refused, and their counts for ``tik/*``."""
+        refused, missing_rows, temperature_rows, truncated = [], 0, 0, 0
+        for traj in batch:
+            missing, other = exactness.row_refusals(traj, self.temperature)
+            refused.append(missing | other)
+            missing_rows += int(missing.sum())
+            temperature_rows += int(other.sum())
+            truncated += exactness.truncated_rows(traj)
+        if missing_rows and not self._missing_logged:
+            self._missing_logged = True
+            logger.warning("areal-tik: %d rollout rows carry no %s: they come from a workflow or engine that "
+                           "does not record the log-prob temperature, so their reuse is refused and they are "
+                           "recomputed (counted in tik/rows_refused_no_exactness; said once)",
+                           missing_rows, "/".join(exactness.KEYS))
+        return refused, dict(rows_refused_no_exactness=float(missing_rows),
+                             rows_refused_temperature=float(temperature_rows),
+                             rows_truncated_sampling=float(truncated))
+
+    def _audit_rows(self, batch: list[dict], version: int, refused: list[torch.Tensor]) -> Rows:
         fresh = [(i, r) for i, t in enumerate(batch)
-                 for r in reuse.fresh_mask(t, version).any(dim=-1).nonzero().flatten().tolist()]
+                 for r in (reuse.fresh_mask(t, version).any(dim=-1) & ~refused[i]).nonzero().flatten().tolist()]
         return reuse.select_rows(batch, self.audit_sequences, fresh)
 
     def _recompute_rows(self, batch: list[dict], rows: Rows) -> dict:
@@ -126,6 +154,7 @@ class OldLogprobs:
         tokens = sum(int(t["attention_mask"].sum()) for t in batch)
         stale_tokens = sum(int(batch[i]["attention_mask"][r].sum()) for i, r in stale_rows)
         skipped = tokens - stale_tokens if needs_prox else 0  # forward tokens not recomputed
-        saved = self.state.note_reuse(plan.n_reused, plan.n_stale, skipped)
-        return dict(tokens_reused=float(plan.n_reused), tokens_recomputed=float(plan.n_stale),
+        recomputed = plan.n_stale if needs_prox else 0  # default mode: stale rows keep the rollout's
+        saved = self.state.note_reuse(plan.n_reused, recomputed, skipped)
+        return dict(tokens_reused=float(plan.n_reused), tokens_recomputed=float(recomputed),
                     recompute_seconds_saved=saved)

@@ -82,18 +82,25 @@ class ReusePlan:
         return rows
 
 
-def plan_reuse(batch: list[dict], current_version: int) -> ReusePlan:
-    """Reuse every fresh scored token; mark the stale ones."""
+def plan_reuse(batch: list[dict], current_version: int,
+               refused: list[torch.Tensor] | None = None) -> ReusePlan:
+    """Reuse every fresh scored token; mark the stale ones. ``refused``: per trajectory a
+    bool ``[B]`` of rows whose reuse is refused (``exactness.row_refusals``); every scored
+    token of those rows is marked stale (recomputed)."""
     if not isinstance(batch, list) or not batch:
         raise ValueError(f"batch must be a non-empty list of trajectory dicts, got {batch!r}")
+    if refused is not None and len(refused) != len(batch):
+        raise ValueError(f"{len(batch)} trajectories but {len(refused)} refusal masks")
     prox, stale, n_reused, n_stale = [], [], 0, 0
     for i, traj in enumerate(batch):
         check_trajectory(traj, i)
         prox.append(reused_logprobs(traj))
         s = stale_mask(traj, current_version)
+        if refused is not None:
+            s = s | (scored_mask(traj) & refused[i].reshape(-1, 1))
         stale.append(s)
         n_stale += int(s.sum())
-        n_reused += int(fresh_mask(traj, current_version).sum())
+        n_reused += int((scored_mask(traj) & ~s).sum())
     return ReusePlan(prox=prox, stale=stale, n_reused=n_reused, n_stale=n_stale)
 
 
