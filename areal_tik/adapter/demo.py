@@ -150,6 +150,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="more recipe overrides (key=value, hydra syntax)")
 
 
+def validate(args) -> None:
+    from .run_checks import validate_demo
+
+    validate_demo(args)
+
+
 def main(args) -> int:
     from . import patch_list
     from .launch import spmd_environment

@@ -65,6 +65,12 @@ def add_arguments(parser) -> None:
                         help="its arguments: --config <config.yaml> [key=value ...]")
 
 
+def validate(args) -> None:
+    from .run_checks import validate_launch
+
+    validate_launch(args)
+
+
 def main(args) -> int:
     run_script(args.script, list(args.script_args))
     return 0
