@@ -22,26 +22,36 @@ TINY_RUN = ["--num-prompts", "1", "--prompt-len", "4", "4", "--max-new-tokens", 
             "--no-progress"]
 
 
-def areal_tik(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _start(argv) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != INTERPRET_ENV}
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    return subprocess.run([sys.executable, "-m", "areal_tik.cli", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-m", "areal_tik.cli", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_the_front_door_lists_every_command():
-    run = areal_tik("--help")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith("usage: areal-tik")
-    assert all(name in run.stdout for name, _, _ in COMMANDS)
+def run_all(*argvs, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """The command lines in parallel processes (most of each is importing torch)."""
+    procs = [(argv, _start(argv)) for argv in argvs]
+    done = []
+    for argv, proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
+    return done
 
 
-@pytest.mark.parametrize("name", [name for name, _, _ in COMMANDS])
-def test_every_command_has_its_help(name):
-    run = areal_tik(name, "--help")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith(f"usage: areal-tik {name}"), run.stdout[:200]
-    assert "Traceback" not in run.stderr
+def areal_tik(*argv: str) -> subprocess.CompletedProcess:
+    return run_all(argv)[0]
+
+
+def test_the_front_door_and_every_command_have_their_help():
+    front, *runs = run_all(["--help"], *([name, "--help"] for name, _, _ in COMMANDS))
+    assert front.returncode == 0, front.stderr
+    assert front.stdout.startswith("usage: areal-tik")
+    assert all(name in front.stdout for name, _, _ in COMMANDS)
+    for (name, _, _), run in zip(COMMANDS, runs):
+        assert run.returncode == 0, (name, run.stderr)
+        assert run.stdout.startswith(f"usage: areal-tik {name}"), run.stdout[:200]
+        assert "Traceback" not in run.stderr
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +78,16 @@ def test_check_runs_without_interpret_preset(tiny_model):
     assert run.stdout.splitlines()[0].startswith("2/2 tokens bit-identical (100.00%)"), run.stdout
 
 
-@pytest.mark.parametrize("argv, line", [
+BAD = [
     (("generate", "--num-prompts", "1", "--prompt-len", "64", "16"),
      "areal-tik: error: --prompt-len 64 16: expected MIN MAX with 1 <= MIN <= MAX"),
     (("demo", "--steps", "0"), "areal-tik: error: --steps must be >= 1, got 0"),
     (("launch", "missing.py"), "areal-tik: error: launch: entry script 'missing.py': no such file"),
-])
-def test_a_bad_input_is_one_line_and_exit_2(argv, line):
-    run = areal_tik(*argv)
-    assert run.returncode == 2
-    lines = run.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(line), run.stderr
+]
+
+
+def test_a_bad_input_is_one_line_and_exit_2():
+    for (_, line), run in zip(BAD, run_all(*(argv for argv, _ in BAD))):
+        lines = run.stderr.splitlines()
+        assert run.returncode == 2, run.stderr
+        assert len(lines) == 1 and lines[0].startswith(line), run.stderr
