@@ -49,17 +49,20 @@ def test_the_recompute_banner_is_annotated_only_with_the_flag():
 
 
 def test_the_step_line_leads_with_the_train_step():
-    line = "Epoch 1/1 Step 1/32 Train step 1/3 done."
-    assert banner.step_line(line) == ("Train step 1/3 done (epoch 1/1, batch 1 of the 32 in an epoch "
-                                      "of the dataset)")
+    # AReaL's totals are the dataset epoch's batches; the run's length replaces them.
+    line = "Epoch 1/1 Step 1/32 Train step 1/32 done."
+    assert banner.step_line(line, 3) == ("Train step 1/3 done (epoch 1/1, batch 1 of the 32 in an epoch "
+                                         "of the dataset)")
+    assert banner.step_line(line).startswith("Train step 1/32 done (epoch 1/1")
     assert banner.step_line("Stats (1/1):") == "Stats (1/1):"
     original = stats_logger.logger
     with apply_patches():
         handler = _Lines()
         original.addHandler(handler)
         try:
+            stats_logger.logger.total_steps = 3  # what PPOTrainer.train sets from its config
             stats_logger.logger.info(line)
         finally:
             original.removeHandler(handler)
-        assert handler.lines == [banner.step_line(line)]
+        assert handler.lines == [banner.step_line(line, 3)]
     assert stats_logger.logger is original
