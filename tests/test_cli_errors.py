@@ -47,12 +47,19 @@ BAD_INPUTS = [
     (["launch", SCRIPT, "--config", "{tmp}/missing.yaml"], r"--config '.*missing\.yaml': no such file"),
     (["launch", SCRIPT, "--config", "{tmp}/prompts.jsonl"], r"--config '.*prompts\.jsonl': expected a \.yaml/\.yml file"),
     (["launch", SCRIPT, "--config"], r"--config needs a YAML file after it"),
+    (["serve", "--model", "{tmp}"], r"--model '.*': not a model directory \(no config\.json\)"),
+    (["serve", "--model", "{tmp}/none.gguf"], r"--model '.*none\.gguf': not a model directory"),
+    (["serve", "--model", "{tmp}/tiny", "--port", "70000"], r"--port must be in 0\.\.65535"),
+    (["serve", "--model", "{tmp}/tiny", "--max-num-seqs", "0"], r"bad engine option: max_num_seqs must be >= 1, got 0"),
+    (["serve", "--model", "{tmp}/tiny", "--device", "cuda"], r"--device cuda: no CUDA GPU is visible"),
 ]
 
 
 @pytest.fixture
 def tmp(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("[1, 2\n")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")  # enough for the checks before loading
     return tmp_path
 
 

@@ -65,3 +65,21 @@ def validate_launch(args) -> None:
     config = config_path(list(args.script_args))
     if config is not None:
         check_file("--config", config, (".yaml", ".yml"))
+
+
+def validate_serve(args) -> None:
+    from areal_tik.commands.validate import check_device
+
+    check_device(args.device)
+    path = Path(args.model)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        check_model_dir(args.model)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535 (0: an ephemeral port), got {args.port}")
+    from areal_tik.commands.flags import dataclass_from_args
+    from areal_tik.engine.config import EngineConfig
+
+    try:
+        dataclass_from_args(EngineConfig, args)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"bad engine option: {exc}") from None
