@@ -9,10 +9,10 @@
 
 A subcommand is one row of ``COMMANDS``: (name, module, one-line help), where the module
 exposes ``add_arguments(parser)``, ``main(args) -> int`` and optionally ``validate(args)``
-(the checks that need no model). A bad input (``UsageError``) is answered with one line,
-``areal-tik: error: ...``, and exit status 2; ``areal-tik --debug ...`` shows its traceback. Only the chosen command's
-module is imported (``generate`` never imports AReaL). ``python -m areal_tik.cli`` runs
-the same front door.
+(the checks that need no model). Only the chosen command's module is imported
+(``generate`` never imports AReaL). ``python -m areal_tik.cli`` runs the same front door.
+A bad input (``UsageError``) is answered with one line, ``areal-tik: error: ...``, and
+exit status 2; ``areal-tik --debug ...`` shows its traceback.
 """
 from __future__ import annotations
 
