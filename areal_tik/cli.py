@@ -8,9 +8,11 @@
     areal-tik serve --model /tmp/areal-tik/tiny --port 30000
 
 A subcommand is one row of ``COMMANDS``: (name, module, one-line help), where the module
-exposes ``add_arguments(parser)`` and ``main(args) -> int``. Only the chosen command's
-module is imported (``generate`` never imports AReaL). ``python -m areal_tik.cli`` runs
-the same front door.
+exposes ``add_arguments(parser)``, ``main(args) -> int`` and optionally ``validate(args)``
+(the checks that need no model). Only the chosen command's module is imported
+(``generate`` never imports AReaL). ``python -m areal_tik.cli`` runs the same front door.
+A bad input (``UsageError``) is answered with one line, ``areal-tik: error: ...``, and
+exit status 2; ``areal-tik --debug ...`` shows its traceback.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import importlib
 import sys
 
 from areal_tik.commands.model_args import RANDOM_INIT  # noqa: F401  (eval/bench_rollout.py reads it here)
+from areal_tik.errors import UsageError
 from areal_tik.runtime import use_interpreter_without_gpu, wants_cpu
 
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -47,13 +50,14 @@ def _load(name: str, module: str):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; ``command``'s module adds its arguments (the others are only listed)."""
     parser = argparse.ArgumentParser(prog="areal-tik", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a bad-input error too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             mod = _load(name, module)
             mod.add_arguments(p)
-            p.set_defaults(run=mod.main)
+            p.set_defaults(run=mod.main, **({"validate": mod.validate} if hasattr(mod, "validate") else {}))
     return parser
 
 
@@ -61,8 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Before any kernel is imported (see areal_tik.runtime).
     use_interpreter_without_gpu(force=wants_cpu(argv))
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
-    return args.run(args)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    try:
+        # A command's validate(args) runs before any model is built: what it raises as
+        # ValueError/TypeError/OSError is the user's input; later, only UsageError is.
+        try:
+            getattr(args, "validate", lambda _: None)(args)
+        except (ValueError, TypeError, OSError) as exc:
+            raise UsageError(str(exc)) from exc
+        return args.run(args)
+    except UsageError as exc:
+        if args.debug:
+            raise
+        print(f"areal-tik: error: {exc}".splitlines()[0], file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

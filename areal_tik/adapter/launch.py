@@ -41,28 +41,51 @@ def spmd_environment(environ=None) -> dict[str, str]:
     return env
 
 
+def quiet_trackers(environ=None) -> None:
+    """W&B without its console chatter (offline runs still write their files); set
+    without overriding the caller's choice."""
+    env = os.environ if environ is None else environ
+    env.setdefault("WANDB_SILENT", "true")
+
+
 def run_script(script: str, args: list[str]) -> None:
     """``script`` as ``__main__`` with ``sys.argv = [script, *args]``, patches applied."""
+    from areal_tik.patches import apply_swaps
+
     from . import patch_list
+    from .run_summary import RunRecorder
 
     if not script.endswith(".py") or not os.path.isfile(script):
         raise FileNotFoundError(f"entry script not found (expected a .py file): {script!r}")
     spmd_environment()
+    quiet_trackers()
     use_interpreter_without_gpu()
     saved_argv = sys.argv
     sys.argv = [script, *args]
     handle = patch_list.apply()
+    recorder = RunRecorder()
+    recording = apply_swaps(recorder.swaps(), name="launch-summary")
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
+        recording.revert()
         handle.revert()
         sys.argv = saved_argv
+    if os.environ.get("RANK", "0") == "0":
+        for line in recorder.lines(f"areal-tik launch {os.path.basename(script)}"):
+            print(line)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("script", help="the AReaL entry script (.py), run unchanged as __main__")
     parser.add_argument("script_args", nargs=argparse.REMAINDER,
                         help="its arguments: --config <config.yaml> [key=value ...]")
+
+
+def validate(args) -> None:
+    from .run_checks import validate_launch
+
+    validate_launch(args)
 
 
 def main(args) -> int:

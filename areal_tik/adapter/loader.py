@@ -24,8 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from areal_tik.engine.config import EngineConfig
+from areal_tik.errors import UsageError
 
 from .config import TikGRPOConfig, TikInferenceEngineConfig, TikPPOActorConfig, TikPPOConfig
+from .overrides import check_override_keys
 
 ENGINE_BLOCK = "tik"
 
@@ -62,16 +64,16 @@ def check_tik_keys(raw: dict) -> None:
     old = [f"{key} -> {new}" for key, new in moved_keys().items()
            if key.split(".", 1)[1] in rollout]
     if old:
-        raise ValueError("the areal-tik engine options moved from rollout to the top-level "
+        raise UsageError("the areal-tik engine options moved from rollout to the top-level "
                          f"{ENGINE_BLOCK}: block; rename " + ", ".join(old))
     block = raw.get(ENGINE_BLOCK)
     if block is None:
         return
     if not isinstance(block, dict):
-        raise ValueError(f"{ENGINE_BLOCK}: must be a mapping of engine options, got {block!r}")
+        raise UsageError(f"{ENGINE_BLOCK}: must be a mapping of engine options, got {block!r}")
     unknown = sorted(set(block) - set(engine_keys()))
     if unknown:
-        raise ValueError(f"unknown key(s) {[f'{ENGINE_BLOCK}.{k}' for k in unknown]} in the "
+        raise UsageError(f"unknown key(s) {[f'{ENGINE_BLOCK}.{k}' for k in unknown]} in the "
                          f"{ENGINE_BLOCK}: block; known keys (EngineConfig's fields): {engine_keys()}")
 
 
@@ -95,6 +97,7 @@ def wrap_load_expr_config(original):
     def load_expr_config(argv, config_cls):
         config_cls = tik_config_class(config_cls)
         if isinstance(config_cls, type) and issubclass(config_cls, TikPPOConfig):
+            check_override_keys(argv, config_cls)
             check_tik_keys(_composed(argv))
         try:
             return original(argv, config_cls)
@@ -103,6 +106,6 @@ def wrap_load_expr_config(original):
             close = difflib.get_close_matches(str(key), tik_option_names(), n=3)
             hint = f" Did you mean {close}?" if close else ""
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ValueError(f"unknown config key {key!r} for {config_cls.__name__} ({first_line}).{hint} "
+            raise UsageError(f"unknown config key {key!r} for {config_cls.__name__} ({first_line}).{hint} "
                              f"areal-tik options: {tik_option_names()}") from exc
     return load_expr_config

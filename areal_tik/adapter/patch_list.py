@@ -8,7 +8,8 @@ Swapped attributes (AReaL itself is not modified or forked):
   in-process areal-tik engine and the reuse checks (stock behaviour without the flag);
 - ``areal.api.cli_args.load_expr_config`` -> a wrapper that loads the areal-tik config
   classes for stock scripts asking for ``GRPOConfig``/``PPOConfig`` and names old or
-  unknown areal-tik keys.
+  unknown areal-tik keys;
+- two of AReaL's log lines, corrected for the flag (``banner``).
 
 ``apply()`` installs them all (or none) through the generic, nest-safe swap machinery
 of ``areal_tik.patches`` and returns the handle whose ``revert()`` undoes them.
@@ -25,6 +26,7 @@ def swaps() -> list[Swap]:
     import areal.engine as areal_engine
     from areal.trainer.rl_trainer import PPOTrainer
 
+    from . import banner
     from .actor import TikFSDPPPOActor
     from .loader import wrap_load_expr_config
     from .trainer import wrap_init_rollout, wrap_trainer_init
@@ -34,6 +36,7 @@ def swaps() -> list[Swap]:
         Swap(PPOTrainer, "__init__", wrap_trainer_init(PPOTrainer.__init__)),
         Swap(PPOTrainer, "_init_rollout", wrap_init_rollout(PPOTrainer._init_rollout)),
         Swap(cli_args, "load_expr_config", wrap_load_expr_config(cli_args.load_expr_config)),
+        *banner.swaps(),  # AReaL's banner and step lines, corrected for the flag
     ]
 
 

@@ -358,6 +358,12 @@ def build_llm(args):
     return LLM(model, config)
 
 
+def validate(args) -> None:
+    from .run_checks import validate_serve
+
+    validate_serve(args)
+
+
 def main(args) -> int:
     logging.basicConfig(level=logging.INFO)
     with build_llm(args) as llm:

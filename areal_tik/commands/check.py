@@ -24,6 +24,12 @@ def add_arguments(parser) -> None:
     parser.set_defaults(ignore_eos=True)
 
 
+def validate(args) -> None:
+    from .validate import validate as check_flags
+
+    check_flags(args, "check")
+
+
 def main(args) -> int:
     from areal_tik import consistency
     from areal_tik.engine.progress import Progress

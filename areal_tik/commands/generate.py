@@ -28,6 +28,12 @@ def _record(i: int, out, tokenizer) -> dict:
     return record
 
 
+def validate(args) -> None:
+    from .validate import validate as check_flags
+
+    check_flags(args, "generate")
+
+
 def main(args) -> int:
     model, tokenizer = model_args.setup(args)
     with model_args.build_engine(args, model) as llm:

@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from areal_tik.runtime import DEFAULT_KERNELS, KERNEL_SETS
+from areal_tik.errors import UsageError
+from areal_tik.runtime import KERNEL_SETS
 
 from .flags import add_dataclass_arguments, dataclass_from_args
 
@@ -62,7 +63,7 @@ def load_model(name: str, *, kernels: str, device: str, dtype: str = "bfloat16",
         return UnifiedCausalLM.from_hf(hf, kernels=kernels), None
     path = smollm2_path() if name == "smollm2" else Path(name)
     if not path.exists():
-        raise SystemExit(f"--model {name!r}: not a known name ({MODEL_HELP}) nor an existing path")
+        raise UsageError(f"--model {name!r}: not a known name ({MODEL_HELP}) nor an existing path")
     model = UnifiedCausalLM.from_pretrained(path, dtype=torch_dtype, device=device, kernels=kernels)
     return model, _load_tokenizer(path)
 
@@ -86,12 +87,12 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise SystemExit(f"--prompt-ids expects comma-separated integers, got {text!r}") from None
+        raise UsageError(f"--prompt-ids expects comma-separated integers, got {text!r}") from None
 
 
 def _encode(tokenizer, text: str) -> list[int]:
     if tokenizer is None:
-        raise SystemExit("this model has no tokenizer: pass --prompt-ids, --prompts-file with "
+        raise UsageError("this model has no tokenizer: pass --prompt-ids, --prompts-file with "
                          "prompt_ids, or --num-prompts for random prompts")
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -108,7 +109,10 @@ def _read_jsonl(path: str, tokenizer) -> list[list[int]]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            item = json.loads(line)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{n}: not a JSON line ({exc})") from None
             if isinstance(item, list):
                 prompts.append([int(t) for t in item])
             elif isinstance(item, dict) and "prompt_ids" in item:
@@ -116,7 +120,7 @@ def _read_jsonl(path: str, tokenizer) -> list[list[int]]:
             elif isinstance(item, dict) and "prompt" in item:
                 prompts.append(_encode(tokenizer, item["prompt"]))
             else:
-                raise SystemExit(f"{path}:{n}: expected a list of ids or an object with 'prompt' or 'prompt_ids'")
+                raise UsageError(f"{path}:{n}: expected a list of ids or an object with 'prompt' or 'prompt_ids'")
     return prompts
 
 
@@ -136,7 +140,7 @@ def collect_prompts(args, tokenizer, vocab: int) -> list[list[int]]:
         lo, hi = args.prompt_len
         prompts += random_prompts(args.num_prompts, lo, hi, vocab, args.seed)
     if not prompts:
-        raise SystemExit("no prompts: give --prompt, --prompt-ids, --prompts-file or --num-prompts")
+        raise UsageError("no prompts: give --prompt, --prompt-ids, --prompts-file or --num-prompts")
     return prompts
 
 
@@ -155,7 +159,7 @@ def build_engine(args, model):
         config.check_kernels(model.kernels)
         return LLM(model, config)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"areal-tik: bad engine option: {exc}") from None
+        raise UsageError(f"bad engine option: {exc}") from None
 
 
 def sampling_params(args):
@@ -167,7 +171,7 @@ def sampling_params(args):
             max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_token_ids or ()),
             ignore_eos=args.ignore_eos, seed=args.sample_seed)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"areal-tik: bad sampling option: {exc}") from None
+        raise UsageError(f"bad sampling option: {exc}") from None
 
 
 def setup(args):
@@ -196,7 +200,8 @@ def run_generation(args, llm):
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny-qwen3", help=f"{MODEL_HELP} (config names: random init)")
-    g.add_argument("--kernels", choices=KERNEL_SETS, default=DEFAULT_KERNELS)
+    g.add_argument("--kernels", choices=KERNEL_SETS, default=None,
+                   help="default: unified; standard for generate with a large model on CPU")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     g.add_argument("--seed", type=int, default=0, help="weights (random init), prompts and sampling keys")

@@ -18,7 +18,7 @@ import itertools
 import random
 import threading
 import weakref
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -141,9 +141,8 @@ class LLM:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
         futures = [self.loop.enqueue(seq) for seq in seqs]
-        with Progress(len(futures), "generate", enabled=progress, unit="req") as bar:
-            for _ in as_completed(futures):
-                bar.update()
+        if progress:
+            _show_token_progress(seqs, futures)
         return [f.result() for f in futures]
 
     async def agenerate(self, prompt_ids, params: SamplingParams | None = None) -> GenerationOutput:
@@ -250,3 +249,18 @@ class LLM:
             seq_id = next(self._seq_ids)
             key = params.seed if params.seed is not None else self._keys.getrandbits(63)
         return Sequence(seq_id, ids, params, key)
+
+
+def _show_token_progress(seqs: list[Sequence], futures: list[Future]) -> None:
+    """A bar over generated tokens (a finished request counts its max_new_tokens), polled
+    twice a second, so that a slow step (a long prefill, the Triton interpreter) still
+    shows the elapsed time and the tokens so far rather than 0 of N requests."""
+    total = sum(seq.params.max_new_tokens for seq in seqs)
+    with Progress(total, "generate", unit="tok") as bar:
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.5)
+            done = sum(seq.params.max_new_tokens if fut.done() else seq.num_output_tokens
+                       for seq, fut in zip(seqs, futures))
+            if done > bar.count:
+                bar.update(done - bar.count)
