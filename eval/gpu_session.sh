@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
-#           bench_train
+#           bench_train bench_layers
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets); run dirs: $OUT/optimize_runs*.tgz
 # Each device call runs at most 10 minutes: pass the stages that fit.
@@ -65,6 +65,9 @@ for s in $STAGES; do case $s in
   # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
   # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
   bench_train) run bench_train 420 python3 eval/bench_train.py --out "$W/csv" ;;
+  # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
+  # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
+  bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
   optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=260 linear=140 ;;
   optimize_attention) run optimize_attention 570 python3 eval/optimize_gpu.py --out "$OUT/attention" \
                         --ops attention --budget-s attention=420 ;;
