@@ -62,3 +62,24 @@ def test_an_unknown_recipe_lists_the_recipes():
     assert all(name in str(info.value) for name in recipes.recipe_names())
     with pytest.raises(ValueError):
         recipes.recipe_file("_gpu")  # a fragment is not a recipe
+
+
+def test_run_command_answers_a_bad_recipe_or_mode_with_the_choices(capsys):
+    from areal_tik.cli import main
+
+    with pytest.raises(ValueError, match="no recipe named 'nope'.*basic_arithmetic_grpo_smollm2"):
+        main(["run", "--recipe", "nope"])
+    with pytest.raises(ValueError, match=r"--mode must be one of \['tik', 'stock', 'both'\], got 'fast'"):
+        main(["run", "--recipe", "chain_sum_grpo_tiny_cpu", "--mode", "fast"])
+    assert main(["run", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == [c.name for c in recipes.CARDS]
+
+
+def test_the_modes_differ_only_in_kernels_reuse_and_recompute():
+    from areal_tik.adapter.run import mode_overrides
+
+    assert mode_overrides("tik") == ["++actor.unified_kernels=true", "++actor.tik_kernels=unified",
+                                     "++actor.tik_reuse_logprobs=true"]
+    assert mode_overrides("stock") == ["++actor.unified_kernels=true", "++actor.tik_kernels=standard",
+                                       "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true"]

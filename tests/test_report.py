@@ -90,6 +90,8 @@ def expected_ratio(tik: dict, stock: dict, first: int) -> float:
 
 @pytest.mark.slow
 def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
+    # ~3.5 min on the shared 2-core CPU machine (user time 70 s): the tik run's training
+    # step on the Triton interpreter is most of it; one step of 2x2 samples of 2 tokens.
     from areal_tik.model.checkpoints import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=1)
@@ -121,3 +123,13 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
     summary = json.loads((out / "summary.json").read_text())
     assert math.isclose(summary["rows"][0]["throughput_whole"], expected_ratio(tik, stock, 0))
+
+
+def test_a_stock_run_reads_the_rewards_of_its_tik_run(tmp_path):
+    from areal_tik.adapter.run import paired_rewards
+
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0), step(2, 0.75, 100, 1.0)], digest="same")
+    stock_folder = tmp_path / "r" / "stock"
+    assert paired_rewards(stock_folder, "stock", "same") == [0.5, 0.75]
+    assert paired_rewards(stock_folder, "stock", "other") == []  # another config: no ratio
+    assert paired_rewards(tmp_path / "r" / "tik", "tik", "same") == []

@@ -15,7 +15,8 @@ Overrides come last (after the options).
 
 Each run writes ``<out>/<recipe>/<mode>/run.json`` (``run_file``) and logs to W&B through
 AReaL's stats logger (offline unless ``stats_logger.wandb.mode=online``), with the run's
-metadata in the W&B config under ``areal_tik``. A missing checkpoint directory
+metadata in the W&B config under ``areal_tik`` (a stock run after its tik run also logs
+``tik_run/reward_ratio`` per step). A missing checkpoint directory
 (``actor.path``) is written first (SmolLM2 from its GGUF, random weights for published
 configs, the tiny CPU model).
 """
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 
 from . import recipes
-from .run_file import config_digest, derived_metrics, run_metadata, write_run_file
+from .run_file import RUN_FILE, config_digest, derived_metrics, run_metadata, write_run_file
 
 MODES = {
     "tik": {"unified_kernels": True, "tik_kernels": "unified", "tik_reuse_logprobs": True},
@@ -67,9 +68,22 @@ def ensure_model(card: recipes.RecipeCard, path: str) -> None:
         checkpoints.random_checkpoint(path, shape, tokenizer, seed=0)
 
 
-def tracked_trainer_class(metadata: dict):
+def paired_rewards(folder: Path, mode: str, digest: str) -> list[float]:
+    """The per-step rewards of the tik run beside a stock run (same recipe as asked), so
+    the stock run can log the reward ratio per step; [] when there is none."""
+    import json
+
+    tik_file = folder.parent / "tik" / RUN_FILE
+    if mode != "stock" or not tik_file.is_file():
+        return []
+    tik = json.loads(tik_file.read_text())
+    return [s["reward"] for s in tik["per_step"]] if tik.get("config_digest") == digest else []
+
+
+def tracked_trainer_class(metadata: dict, tik_rewards: list[float] = ()):
     """The recording PPOTrainer that also puts ``metadata`` into the W&B config and the
-    ``tik_run/*`` rates into each step's stats before AReaL's logger commits them."""
+    ``tik_run/*`` rates into each step's stats before AReaL's logger commits them (and,
+    in a stock run with its tik run done, ``tik_run/reward_ratio``: tik/stock reward)."""
     from .demo import recording_trainer_class
 
     class TrackedPPOTrainer(recording_trainer_class()):
@@ -84,13 +98,16 @@ def tracked_trainer_class(metadata: dict):
             def commit_with_rates(epoch, step, global_step, data):
                 for item in data if isinstance(data, list) else [data]:
                     item.update(derived_metrics(item))
+                    reward = item.get("ppo_actor/task_reward/avg")
+                    if global_step < len(tik_rewards) and reward:
+                        item["tik_run/reward_ratio"] = tik_rewards[global_step] / reward
                 return commit(epoch, step, global_step, data)
             self.stats_logger.commit = commit_with_rates
 
     return TrackedPPOTrainer
 
 
-def train_tracked(config, metadata: dict):
+def train_tracked(config, metadata: dict, tik_rewards: list[float] = ()):
     from areal.utils import perf_tracer
 
     from .tasks import rl_dataset
@@ -98,7 +115,7 @@ def train_tracked(config, metadata: dict):
     workflow_kwargs = dict(reward_fn=config.task.reward, gconfig=config.gconfig,
                            tokenizer=config.tokenizer_path, enable_thinking=False)
     try:
-        with tracked_trainer_class(metadata)(config, train_dataset=rl_dataset(config.task, "train"),
+        with tracked_trainer_class(metadata, tik_rewards)(config, train_dataset=rl_dataset(config.task, "train"),
                                              valid_dataset=None) as trainer:
             trainer.train(workflow="areal.workflow.rlvr.RLVRWorkflow", workflow_kwargs=workflow_kwargs)
             return trainer.history, trainer.actor.tik_state
@@ -121,8 +138,9 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
         config = load_config(path, overrides + mode_overrides(mode) + run_overrides(name, mode, folder, group))
         ensure_model(card, config.actor.path)
         metadata = run_metadata(name, mode, config.actor.tik_kernels)
-        history, state = train_tracked(config, metadata)
-    return write_run_file(folder, recipe=name, mode=mode, config=config, digest=config_digest(asked),
+        digest = config_digest(asked)
+        history, state = train_tracked(config, metadata, paired_rewards(folder, mode, digest))
+    return write_run_file(folder, recipe=name, mode=mode, config=config, digest=digest,
                           group=group, metadata=metadata, history=history, summary=state.summary())
 
 
