@@ -3,7 +3,9 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout bench_prefix
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
-#           bench_train bench_train_cache
+#           bench_train bench_train_cache bench_layers
+#           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
+#           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets); run dirs: $OUT/optimize_runs*.tgz
 # Each device call runs at most 10 minutes: pass the stages that fit.
@@ -21,6 +23,7 @@ W=$(mktemp -d)
 mkdir -p "$OUT" "$W/csv"
 STAGE=${STAGE:-/tmp/areal-tik-stage} SITE=${SITE:-/tmp/areal-tik-site}
 GRPO_OUT=${GRPO_OUT:-/tmp/areal-tik-grpo}  # per-mode JSONs, kept across calls
+RUNS_OUT=${RUNS_OUT:-/tmp/areal-tik-runs}  # recipe run folders, kept across calls
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 STAGES=${*:-env tests bench_ops bench_attn}
 COMMIT=${AREAL_TIK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -66,6 +69,13 @@ for s in $STAGES; do case $s in
   # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
   # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
   bench_train) run bench_train 420 python3 eval/bench_train.py --out "$W/csv" ;;
+  # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
+  # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
+  bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
+  run_tik_*|run_stock_*) mode=${s#run_}; recipe=${mode#*_}; mode=${mode%%_*}
+            run "$s" 570 python3 -m areal_tik.cli run --recipe "$recipe" --mode "$mode" --out "$RUNS_OUT" ;;
+  report) run report 120 python3 -m areal_tik.cli report "$RUNS_OUT" --out "$W/report"
+          (cd "$RUNS_OUT" && find . -name run.json | tar cf - -T -) | tar xf - -C "$W/report" ;;
   optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=240 linear=120 ;;
   optimize_attention) run optimize_attention 570 python3 eval/optimize_gpu.py --out "$OUT/attention" \
                         --ops attention --budget-s attention=420 ;;

@@ -1,0 +1,113 @@
+"""What a recipe run records: its metadata, per-step metrics and the local run file.
+
+``run.json`` (one per run folder) is what ``areal-tik report`` reads::
+
+    {"format": 1, "recipe": ..., "mode": "tik"|"stock", "seeds": {"seed", "task_seed"},
+     "steps": N, "config_digest": sha256 of the recipe as asked (mode and run folders left
+     out, so both runs of a comparison share it), "group": the W&B group,
+     "metadata": {commit, gpu, driver, torch, triton, cuda, transformers, areal,
+                  kernel_set, recipe, mode, date},
+     "summary": the audit/reuse summary, "per_step": [{"step", "reward", "tokens",
+     "generated_tokens", "step_seconds", "tokens_per_s", "phases": {...}, "tik": {...}}]}
+
+``derived_metrics`` adds ``tik_run/*`` rates to each step's stats before AReaL's stats
+logger commits them, so W&B carries the same tokens/s the run file does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+RUN_FILE = "run.json"
+FORMAT = 1
+PHASES = ("rollout", "recompute_logp", "compute_advantage", "train_step", "update_weights")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _command_output(cmd: list[str], cwd=None) -> str | None:
+    try:
+        return subprocess.run(cmd, cwd=cwd, text=True, capture_output=True, check=True,
+                              timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_metadata(recipe: str, mode: str, kernel_set: str) -> dict:
+    """Commit, device, driver and library versions of this process, and the run's names."""
+    import areal
+    import torch
+    import transformers
+    import triton
+
+    on_gpu = torch.cuda.is_available()
+    driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return {
+        "commit": os.environ.get("AREAL_TIK_COMMIT") or _command_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO) or "unknown",
+        "gpu": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "driver": driver.splitlines()[0] if driver else "none",
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "transformers": transformers.__version__, "areal": getattr(areal, "__version__", "unknown"),
+        "kernel_set": kernel_set, "recipe": recipe, "mode": mode,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def config_digest(config) -> str:
+    """sha256 of a typed config's fields (JSON, keys sorted)."""
+    text = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _number(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+    return value
+
+
+def derived_metrics(stats: dict) -> dict:
+    """``tik_run/*`` of one step's stats: wall step time and the token rates over it."""
+    seconds = _number(stats.get("bench/step_seconds"))
+    tokens = _number(stats.get("ppo_actor/n_tokens"))
+    generated = _number(stats.get("ppo_actor/n_valid_tokens"))
+    ok = seconds > 0 and not math.isnan(seconds)
+    return {"tik_run/step_seconds": seconds,
+            "tik_run/tokens_per_s": tokens / seconds if ok else float("nan"),
+            "tik_run/generated_tokens_per_s": generated / seconds if ok else float("nan")}
+
+
+def step_record(step: int, stats: dict) -> dict:
+    """One step of the run file from that step's stats."""
+    derived = derived_metrics(stats)
+    reward = stats.get("ppo_actor/task_reward/avg", stats.get("rollout/reward"))
+    return {
+        "step": step, "reward": _number(reward),
+        "tokens": _number(stats.get("ppo_actor/n_tokens")),
+        "generated_tokens": _number(stats.get("ppo_actor/n_valid_tokens")),
+        "step_seconds": derived["tik_run/step_seconds"], "tokens_per_s": derived["tik_run/tokens_per_s"],
+        "phases": {p: _number(stats.get(f"timeperf/{p}", 0.0)) for p in PHASES},
+        "tik": {k.split("/", 1)[1]: _number(v) for k, v in stats.items()
+                if k.startswith("tik/") and not k.endswith("__count")},
+    }
+
+
+def write_run_file(folder: Path, *, recipe: str, mode: str, config, digest: str, group: str,
+                   metadata: dict, history: list[dict], summary: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {
+        "format": FORMAT, "recipe": recipe, "mode": mode,
+        "seeds": {"seed": config.seed, "task_seed": config.task.seed},
+        "steps": len(history), "config_digest": digest, "group": group, "metadata": metadata,
+        "summary": summary, "per_step": [step_record(i, h) for i, h in enumerate(history, start=1)],
+    }
+    path = folder / RUN_FILE
+    path.write_text(json.dumps(record, indent=1, default=str, allow_nan=True))
+    return path

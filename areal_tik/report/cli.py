@@ -1,0 +1,42 @@
+"""``areal-tik report RUN_DIR [RUN_DIR ...] --out DIR``: the comparison of tik and stock
+runs of the same recipes, from their run files: ``DIR/index.html`` (summary table, PNG
+plots, audits) and ``DIR/summary.json``. With ``--wandb-entity/--wandb-project`` and the
+``wandb-workspaces`` package, also a W&B Report (needs network; optional)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .page import fmt, write_page
+from .runs import load_runs, pair_runs, summary_table
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("runs", nargs="+", help="run folders (with run.json) or folders of them")
+    parser.add_argument("--out", default="report", help="folder for index.html, the PNGs and summary.json")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady state")
+    parser.add_argument("--wandb-entity", default=None)
+    parser.add_argument("--wandb-project", default=None, help="also publish a W&B Report (online only)")
+
+
+def main(args) -> int:
+    if isinstance(args.warmup, bool) or args.warmup < 0:
+        raise ValueError(f"--warmup must be an int >= 0, got {args.warmup!r}")
+    pairs = pair_runs(load_runs(args.runs))
+    rows, means = summary_table(pairs, args.warmup)
+    out = Path(args.out)
+    page = write_page(out, pairs, rows, means, args.warmup)
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "means": means}, indent=1))
+    for r in rows:
+        print(f"{r['recipe']}: throughput {fmt(r['throughput_whole'])} whole, {fmt(r['throughput_steady'])} "
+              f"steady; reward ratio {fmt(r['reward_ratio_mean'])} +/- {fmt(r['reward_ratio_spread'], '')}; "
+              f"audit: {r['audit']}")
+    print(f"mean over {len(rows)}: throughput {fmt(means['throughput_whole'])} whole, "
+          f"{fmt(means['throughput_steady'])} steady (paper 1.10x); reward ratio "
+          f"{fmt(means['reward_ratio_mean'])} (paper 1.00x)")
+    print(f"wrote {page}")
+    if args.wandb_project:
+        from .wandb_report import publish
+
+        print(f"W&B report: {publish(pairs, args.wandb_entity, args.wandb_project)}")
+    return 0

@@ -1,0 +1,129 @@
+"""The static report: ``index.html`` with the summary table and, per recipe, one PNG
+(reward tik vs stock, reward ratio per step, tokens/s, mean phase times) and its audits."""
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+
+from .runs import Pair
+
+PHASE_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
+
+
+def fmt(value: float, suffix: str = "x") -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3f}{suffix}"
+
+
+def _steps(run: dict, key: str) -> tuple[list[int], list[float]]:
+    return [s["step"] for s in run["per_step"]], [s[key] for s in run["per_step"]]
+
+
+def plot_pair(pair: Pair, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ((ax_r, ax_q), (ax_t, ax_p)) = plt.subplots(2, 2, figsize=(11, 7))
+    for mode, run in (("tik", pair.tik), ("stock", pair.stock)):
+        ax_r.plot(*_steps(run, "reward"), marker=".", label=mode)
+        ax_t.plot(*_steps(run, "tokens_per_s"), marker=".", label=mode)
+    ratio = [a["reward"] / b["reward"] if b["reward"] else float("nan")
+             for a, b in zip(pair.tik["per_step"], pair.stock["per_step"])]
+    ax_q.plot(_steps(pair.tik, "reward")[0], ratio, marker=".", color="k")
+    ax_q.axhline(1.0, color="grey", lw=0.8, ls="--")
+    phases = list(pair.tik["per_step"][0]["phases"])
+    for col, mode_run in enumerate((pair.tik, pair.stock)):
+        bottom = 0.0
+        for i, phase in enumerate(phases):
+            mean = sum(s["phases"][phase] for s in mode_run["per_step"]) / len(mode_run["per_step"])
+            ax_p.bar(col, mean, bottom=bottom, color=PHASE_COLORS[i % len(PHASE_COLORS)],
+                     label=phase if col == 0 else None)
+            bottom += mean
+    ax_p.set_xticks([0, 1], ["tik", "stock"])
+    for ax in (ax_r, ax_q, ax_t):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    ax_r.set(title="task reward", xlabel="step")
+    ax_q.set(title="reward ratio tik/stock", xlabel="step")
+    ax_t.set(title="tokens/s (prompt + generated)", xlabel="step")
+    ax_p.set(title="mean seconds per step by phase")
+    ax_r.legend()
+    ax_p.legend(fontsize=7)
+    fig.suptitle(pair.recipe)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole", "throughput tik/stock (whole run)"),
+                   ("throughput_steady", "throughput tik/stock (steady state)"),
+                   ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
+                   ("audit", "audit"))
+
+
+def _cell(key: str, value) -> str:
+    if key in ("throughput_whole", "throughput_steady", "reward_ratio_mean"):
+        return fmt(value)
+    if key == "reward_ratio_spread":
+        return fmt(value, "")
+    return html.escape(str(value))
+
+
+def summary_html(rows: list[dict], means: dict) -> str:
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label in SUMMARY_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(k, r[k])}</td>" for k, _ in SUMMARY_COLUMNS) + "</tr>"
+                   for r in rows)
+    mean = (f"<tr class='mean'><td>mean over {len(rows)} configurations</td><td></td>"
+            f"<td>{fmt(means['throughput_whole'])}</td><td>{fmt(means['throughput_steady'])}</td>"
+            f"<td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td></tr>"
+            f"<tr class='paper'><td>paper (H20)</td><td></td><td>{fmt(means['paper_throughput'])}</td><td></td>"
+            f"<td>{fmt(means['paper_reward'])}</td><td></td><td></td></tr>")
+    return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>"
+
+
+def audit_html(pair: Pair) -> str:
+    def passed(value) -> str:
+        return "no audit" if value is None or math.isnan(value) else ("yes" if value == 1.0 else "NO")
+
+    rows = "".join(f"<tr><td>{s['step']}</td><td>{passed(s['tik'].get('audit_passed'))}</td>"
+                   f"<td>{fmt(s['tik'].get('bitwise_fraction', float('nan')), '')}</td>"
+                   f"<td>{s['tik'].get('tokens_reused', float('nan'))}</td>"
+                   f"<td>{s['tik'].get('tokens_recomputed', float('nan'))}</td></tr>"
+                   for s in pair.tik["per_step"])
+    return ("<table><tr><th>step</th><th>audit passed</th><th>bitwise fraction</th><th>tokens reused</th>"
+            f"<th>tokens recomputed</th></tr>{rows}</table>")
+
+
+def meta_html(run: dict) -> str:
+    m = run["metadata"]
+    keys = ("commit", "gpu", "driver", "torch", "triton", "cuda", "kernel_set", "date")
+    return f"<p class='meta'>{html.escape(run['mode'])}: " + ", ".join(
+        f"{k} {html.escape(str(m.get(k)))}" for k in keys) + "</p>"
+
+
+STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1100px} table{border-collapse:collapse;margin:1em 0}"
+         "td,th{border:1px solid #bbb;padding:3px 8px;font-size:13px} tr.mean td{font-weight:bold}"
+         "tr.paper td{color:#555} .meta{font-size:12px;color:#444}")
+
+
+def write_page(out: Path, pairs: list[Pair], rows: list[dict], means: dict, warmup: int) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    sections = []
+    for pair, row in zip(pairs, rows):
+        png = plot_pair(pair, out / f"{pair.recipe}.png")
+        sections.append(
+            f"<h2>{html.escape(pair.recipe)}</h2><img src='{png.name}' width='880'>"
+            f"<p>audit: {html.escape(str(row['audit']))} ({row['audited_tokens']} tokens compared); "
+            f"W&amp;B group {html.escape(str(pair.tik.get('group')))}</p>"
+            + audit_html(pair) + meta_html(pair.tik) + meta_html(pair.stock))
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>areal-tik comparison</title>"
+            f"<style>{STYLE}</style></head><body><h1>areal-tik: flag on (tik) vs stock path</h1>"
+            f"<p>Throughput: tokens/s (prompt + generated) over wall step time; steady state leaves out the "
+            f"first {warmup} step(s). Reward ratio: tik/stock per step, over steps with a non-zero stock "
+            f"reward (spread: standard deviation).</p>"
+            + summary_html(rows, means) + "".join(sections) + "</body></html>")
+    path = out / "index.html"
+    path.write_text(page)
+    return path

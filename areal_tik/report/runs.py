@@ -1,0 +1,132 @@
+"""Run files -> comparable (tik, stock) pairs -> the summary table.
+
+Per recipe: the throughput ratio tik/stock of tokens per second (prompt + generated
+tokens over wall step time), over the whole run and over the steady state (steps after
+``warmup``); the reward ratio tik/stock per step, its mean and spread (population std)
+over the steps where the stock reward is non-zero. Then the means over the recipes, next
+to the paper's 1.10x throughput and 1.00x reward ratio.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_FILE = "run.json"
+PAPER_THROUGHPUT, PAPER_REWARD = 1.10, 1.00
+MODES = ("tik", "stock")
+
+
+@dataclass(frozen=True)
+class Pair:
+    recipe: str
+    tik: dict
+    stock: dict
+
+
+def find_run_files(paths) -> list[Path]:
+    """Every run file at or under ``paths`` (run folders or folders of them)."""
+    found = []
+    for p in map(Path, paths):
+        if p.is_file() and p.name == RUN_FILE:
+            found.append(p)
+        elif (p / RUN_FILE).is_file():
+            found.append(p / RUN_FILE)
+        elif p.is_dir():
+            found += sorted(p.rglob(RUN_FILE))
+        else:
+            raise ValueError(f"{p}: not a run folder (no {RUN_FILE}) nor a folder of run folders")
+    if not found:
+        raise ValueError(f"no {RUN_FILE} under {[str(p) for p in paths]}")
+    return found
+
+
+def load_runs(paths) -> list[dict]:
+    runs = []
+    for path in find_run_files(paths):
+        run = json.loads(path.read_text())
+        if run.get("mode") not in MODES:
+            raise ValueError(f"{path}: mode {run.get('mode')!r} is not one of {MODES}")
+        runs.append({**run, "path": str(path.parent)})
+    return runs
+
+
+def _describe(run: dict) -> str:
+    return f"{run['path']} (recipe {run['recipe']}, {run['mode']})"
+
+
+def check_comparable(tik: dict, stock: dict) -> None:
+    """ValueError naming the first difference that makes the two runs incomparable."""
+    for key, label in (("recipe", "recipe"), ("seeds", "seeds"), ("steps", "steps"),
+                       ("config_digest", "config (digest of the recipe as asked)")):
+        if tik[key] != stock[key]:
+            raise ValueError(f"not a comparable pair: different {label}: tik {tik[key]!r} in {tik['path']} "
+                             f"vs stock {stock[key]!r} in {stock['path']}")
+
+
+def pair_runs(runs: list[dict]) -> list[Pair]:
+    """One (tik, stock) pair per recipe; ValueError for a run without its partner, two
+    runs of one mode and recipe, or a pair that is not comparable."""
+    by_recipe: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        modes = by_recipe.setdefault(run["recipe"], {})
+        if run["mode"] in modes:
+            raise ValueError(f"two {run['mode']} runs of recipe {run['recipe']}: {modes[run['mode']]['path']} "
+                             f"and {run['path']}; pass one of each mode per recipe")
+        modes[run["mode"]] = run
+    pairs = []
+    for recipe, modes in by_recipe.items():
+        missing = [m for m in MODES if m not in modes]
+        if missing:
+            (present,) = modes.values()
+            others = [_describe(r) for r in runs if r["recipe"] != recipe and r["mode"] == missing[0]]
+            raise ValueError(f"not a comparable pair: {_describe(present)} has no {missing[0]} run of the same "
+                             f"recipe" + (f"; {missing[0]} runs given: {others}" if others else ""))
+        check_comparable(modes["tik"], modes["stock"])
+        pairs.append(Pair(recipe, modes["tik"], modes["stock"]))
+    return sorted(pairs, key=lambda p: p.recipe)
+
+
+def tokens_per_second(steps: list[dict]) -> float:
+    seconds = sum(s["step_seconds"] for s in steps)
+    return sum(s["tokens"] for s in steps) / seconds if steps and seconds > 0 else float("nan")
+
+
+def reward_ratios(tik: dict, stock: dict) -> list[float]:
+    """tik/stock reward per step, leaving out steps where the stock reward is 0."""
+    return [a["reward"] / b["reward"] for a, b in zip(tik["per_step"], stock["per_step"])
+            if b["reward"] != 0 and not math.isnan(a["reward"] + b["reward"])]
+
+
+def _mean(values) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _spread(values) -> float:
+    mean = _mean(values)
+    return math.sqrt(_mean([(v - mean) ** 2 for v in values])) if values else float("nan")
+
+
+def summary_row(pair: Pair, warmup: int) -> dict:
+    tik, stock = pair.tik["per_step"], pair.stock["per_step"]
+    ratios = reward_ratios(pair.tik, pair.stock)
+    audit = pair.tik["summary"]
+    return {
+        "recipe": pair.recipe, "steps": pair.tik["steps"], "warmup": warmup,
+        "throughput_whole": tokens_per_second(tik) / tokens_per_second(stock),
+        "throughput_steady": tokens_per_second(tik[warmup:]) / tokens_per_second(stock[warmup:]),
+        "reward_tik": _mean([s["reward"] for s in tik]), "reward_stock": _mean([s["reward"] for s in stock]),
+        "reward_ratio_mean": _mean(ratios), "reward_ratio_spread": _spread(ratios),
+        "reward_ratio_steps": len(ratios),
+        "audit": audit.get("verdict", "none"), "audited_tokens": audit.get("audited_tokens", 0),
+    }
+
+
+def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
+    """Rows per recipe and the means over recipes (NaN cells left out of the means)."""
+    rows = [summary_row(p, warmup) for p in pairs]
+    means = {key: _mean([r[key] for r in rows])
+             for key in ("throughput_whole", "throughput_steady", "reward_ratio_mean")}
+    return rows, {**means, "paper_throughput": PAPER_THROUGHPUT, "paper_reward": PAPER_REWARD}

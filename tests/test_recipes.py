@@ -1,0 +1,85 @@
+"""The shipped recipes through AReaL's real (strict) config loader: the twelve end-to-end
+configurations load, fill the cells their cards claim, and the README table is theirs."""
+from __future__ import annotations
+
+import pytest
+
+from areal_tik.adapter import apply_patches, recipes
+from areal_tik.adapter.demo import load_config
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    with apply_patches():
+        return {c.name: load_config(recipes.recipe_file(c.name)) for c in recipes.CARDS}
+
+
+def test_every_yaml_is_a_card_and_there_are_twelve_end_to_end():
+    assert sorted(c.name for c in recipes.CARDS) == recipes.recipe_names()
+    assert len(recipes.END_TO_END) == 12
+
+
+def test_each_recipe_fills_the_cells_of_its_card(loaded):
+    for c in recipes.CARDS:
+        config = loaded[c.name]
+        assert recipes.algorithm_of(config) == c.algorithm, c.name
+        assert config.actor.path == recipes.MODEL_DIRS[c.model], c.name
+        assert config.actor.unified_kernels and config.actor.recompute_logprob, c.name
+        if config.rollout.max_head_offpolicyness >= 1:  # async: the decoupled loss
+            assert config.actor.use_decoupled_loss, c.name
+        assert config.tik.max_model_len >= config.gconfig.max_new_tokens + config.train_dataset.max_length // 2
+
+
+def test_the_twelve_span_models_algorithms_schedules_and_lengths(loaded):
+    end = [loaded[name] for name in recipes.END_TO_END]
+    cards = [recipes.card(name) for name in recipes.END_TO_END]
+    assert {c.model for c in cards} == {recipes.SMOLLM2, "Qwen3-0.6B", "Qwen3-1.7B", "Qwen2.5-1.5B",
+                                        "Llama-3.2-1B"}
+    assert {recipes.algorithm_of(cfg) for cfg in end} == set(recipes.ALGORITHMS)
+    schedules = {recipes.cells(cfg)["schedule"] for cfg in end}
+    assert "sync" in schedules and any(s.startswith("async") for s in schedules)
+    lengths = [cfg.gconfig.max_new_tokens for cfg in end]
+    assert min(lengths) == 128 and max(lengths) >= 1024
+    assert {recipes.cells(cfg)["verifier"] for cfg in end} == {"math-verify", "score_answer"}
+    ppo = loaded["basic_arithmetic_ppo_smollm2"]
+    assert ppo.critic is None and ppo.actor.reward_norm is None  # why no critic: recipes/_ppo.yaml
+
+
+def test_readme_table_is_generated_from_the_recipes(loaded):
+    readme = (recipes.RECIPES_DIR / "README.md").read_text()
+    assert recipes.recipe_table(loaded.__getitem__) in readme
+
+
+def test_an_unknown_key_fails_the_load():
+    with apply_patches(), pytest.raises(ValueError, match="not_a_key"):
+        load_config(recipes.recipe_file("basic_arithmetic_grpo_llama3_2_1b"), ["++actor.not_a_key=1"])
+
+
+def test_an_unknown_recipe_lists_the_recipes():
+    with pytest.raises(ValueError) as info:
+        recipes.recipe_file("no_such_recipe")
+    assert "no_such_recipe" in str(info.value)
+    assert all(name in str(info.value) for name in recipes.recipe_names())
+    with pytest.raises(ValueError):
+        recipes.recipe_file("_gpu")  # a fragment is not a recipe
+
+
+def test_run_command_answers_a_bad_recipe_or_mode_with_the_choices(capsys):
+    from areal_tik.cli import main
+
+    with pytest.raises(ValueError, match="no recipe named 'nope'.*basic_arithmetic_grpo_smollm2"):
+        main(["run", "--recipe", "nope"])
+    with pytest.raises(ValueError, match=r"--mode must be one of \['tik', 'stock', 'both'\], got 'fast'"):
+        main(["run", "--recipe", "chain_sum_grpo_tiny_cpu", "--mode", "fast"])
+    assert main(["run", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == [c.name for c in recipes.CARDS]
+
+
+def test_the_modes_differ_only_in_kernels_reuse_and_recompute():
+    from areal_tik.adapter.run import mode_overrides
+
+    assert mode_overrides("tik") == ["++actor.unified_kernels=true", "++actor.tik_kernels=unified",
+                                     "++actor.tik_reuse_logprobs=true"]
+    assert mode_overrides("stock") == ["++actor.unified_kernels=true", "++actor.tik_kernels=standard",
+                                       "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true"]

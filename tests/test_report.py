@@ -1,0 +1,135 @@
+"""``areal-tik report``: pairing, refusals and the summary table against hand-computed
+values from run files, then (slow) the offline report built from two real tiny CPU runs
+of ``areal-tik run`` (flag on and off) with its table checked against their run files."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_tik.report.cli import add_arguments, main
+from areal_tik.report.runs import load_runs, pair_runs, summary_table
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def step(i, reward, tokens, seconds):
+    return {"step": i, "reward": reward, "tokens": tokens, "generated_tokens": tokens / 2,
+            "step_seconds": seconds, "tokens_per_s": tokens / seconds,
+            "phases": {"rollout": seconds / 2, "train_step": seconds / 2}, "tik": {"audit_passed": 1.0}}
+
+
+def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d") -> Path:
+    folder = root / recipe / mode
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps({
+        "format": 1, "recipe": recipe, "mode": mode, "seeds": {"seed": seed, "task_seed": 1},
+        "steps": len(steps), "config_digest": digest, "group": f"{recipe}-seed{seed}",
+        "metadata": {"commit": "abc", "gpu": "cpu", "kernel_set": mode}, "per_step": steps,
+        "summary": {"verdict": "all 1 audits bitwise equal", "audited_tokens": 8}}))
+    return folder
+
+
+def report_args(runs, out, warmup=1):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*map(str, runs), "--out", str(out), "--warmup", str(warmup)])
+
+
+def test_summary_ratios_are_the_hand_computed_ones(tmp_path):
+    # tik: 100 tokens in 10 s, then 300 in 1 s + 300 in 2 s; stock: 100/10, 100/1, 100/1
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 10.0), step(2, 0.6, 300, 1.0), step(3, 0.9, 300, 2.0)])
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 10.0), step(2, 0.4, 100, 1.0), step(3, 0.0, 100, 1.0)])
+    (row,), means = summary_table(pair_runs(load_runs([tmp_path])), warmup=1)
+    assert row["throughput_whole"] == pytest.approx((700 / 13) / (300 / 12))
+    assert row["throughput_steady"] == pytest.approx((600 / 3) / (200 / 2))
+    # step 3's stock reward is 0: left out; ratios 1.0 and 1.5
+    assert row["reward_ratio_steps"] == 2
+    assert row["reward_ratio_mean"] == pytest.approx(1.25) and row["reward_ratio_spread"] == pytest.approx(0.25)
+    assert means["throughput_whole"] == row["throughput_whole"] and means["paper_throughput"] == 1.10
+
+
+@pytest.mark.parametrize("field, tik_kw, stock_kw, named", [
+    ("recipe", {"recipe": "a"}, {"recipe": "b"}, "has no stock run of the same recipe"),
+    ("seeds", {"seed": 1}, {"seed": 2}, "different seeds"),
+    ("digest", {"digest": "x"}, {"digest": "y"}, "different config"),
+])
+def test_an_incomparable_pair_is_refused_naming_the_difference(tmp_path, field, tik_kw, stock_kw, named):
+    tik = write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], **tik_kw)
+    stock = write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.0)], **stock_kw)
+    with pytest.raises(ValueError, match=named) as info:
+        main(report_args([tik, stock], tmp_path / "out"))
+    if field == "recipe":
+        assert "recipe a" in str(info.value) and "recipe b" in str(info.value)
+
+
+def test_different_steps_are_refused(tmp_path):
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0), step(2, 0.5, 100, 1.0)])
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.0)])
+    with pytest.raises(ValueError, match="different steps: tik 2 .* vs stock 1"):
+        main(report_args([tmp_path], tmp_path / "out"))
+
+
+def table_cells(page: str) -> list[list[str]]:
+    table = re.search(r"<table id='summary'>(.*?)</table>", page).group(1)
+    return [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table)[1:]]
+
+
+def expected_ratio(tik: dict, stock: dict, first: int) -> float:
+    rate = lambda run: (sum(s["tokens"] for s in run["per_step"][first:])  # noqa: E731
+                        / sum(s["step_seconds"] for s in run["per_step"][first:]))
+    return rate(tik) / rate(stock)
+
+
+@pytest.mark.slow
+def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
+    # ~3.5 min on the shared 2-core CPU machine (user time 70 s): the tik run's training
+    # step on the Triton interpreter is most of it; one step of 2x2 samples of 2 tokens.
+    from areal_tik.model.checkpoints import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=1)
+    overrides = [f"++actor.path={model}", "++total_train_steps=1", "++train_dataset.batch_size=2",
+                 "++gconfig.n_samples=2", "++gconfig.max_new_tokens=2", "++task.size=16",
+                 "++task.instruction=", "++task.reward=areal_tik.adapter.tasks.shaped_reward_fn"]
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "areal_tik.cli", "run", "--recipe", "chain_sum_grpo_tiny_cpu",
+                           "--mode", "both", "--out", str(runs), *overrides], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tik, stock = (json.loads((runs / "chain_sum_grpo_tiny_cpu" / m / "run.json").read_text())
+                  for m in ("tik", "stock"))
+    assert tik["group"] == stock["group"] and tik["config_digest"] == stock["config_digest"]
+    assert tik["metadata"]["kernel_set"] == "unified" and stock["metadata"]["kernel_set"] == "standard"
+    assert tik["summary"]["reuse_active"] and not stock["summary"]["reuse_active"]
+    assert tik["per_step"][0]["phases"]["recompute_logp"] == 0.0 < stock["per_step"][0]["phases"]["recompute_logp"]
+    assert tik["per_step"][0]["tik"]["audit_passed"] == 1.0
+
+    out = tmp_path / "report"
+    assert main(report_args([runs], out, warmup=0)) == 0
+    page = (out / "index.html").read_text()
+    (row, mean, paper) = table_cells(page)
+    assert row[0] == "chain_sum_grpo_tiny_cpu" and row[1] == "1"
+    assert row[2] == f"{expected_ratio(tik, stock, 0):.3f}x" == row[3] == mean[2]
+    rewards = (tik["per_step"][0]["reward"], stock["per_step"][0]["reward"])
+    assert row[4] == (f"{rewards[0] / rewards[1]:.3f}x" if rewards[1] else "n/a")
+    assert row[6] == tik["summary"]["verdict"] and paper[2] == "1.100x" and paper[4] == "1.000x"
+    assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
+    summary = json.loads((out / "summary.json").read_text())
+    assert math.isclose(summary["rows"][0]["throughput_whole"], expected_ratio(tik, stock, 0))
+
+
+def test_a_stock_run_reads_the_rewards_of_its_tik_run(tmp_path):
+    from areal_tik.adapter.run import paired_rewards
+
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0), step(2, 0.75, 100, 1.0)], digest="same")
+    stock_folder = tmp_path / "r" / "stock"
+    assert paired_rewards(stock_folder, "stock", "same") == [0.5, 0.75]
+    assert paired_rewards(stock_folder, "stock", "other") == []  # another config: no ratio
+    assert paired_rewards(tmp_path / "r" / "tik", "tik", "same") == []
