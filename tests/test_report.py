@@ -110,6 +110,13 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert tik["summary"]["reuse_active"] and not stock["summary"]["reuse_active"]
     assert tik["per_step"][0]["phases"]["recompute_logp"] == 0.0 < stock["per_step"][0]["phases"]["recompute_logp"]
     assert tik["per_step"][0]["tik"]["audit_passed"] == 1.0
+    for mode, run in (("tik", tik), ("stock", stock)):  # the offline W&B run of each mode
+        (wandb_file,) = (runs / "chain_sum_grpo_tiny_cpu" / mode).rglob("*.wandb")
+        logged = wandb_file.read_bytes()
+        for needle in ("areal_tik", run["group"], f"chain_sum_grpo_tiny_cpu-{mode}", "tik_run/tokens_per_s",
+                       "timeperf/rollout", "ppo_actor/task_reward/avg", "tik/reuse_active",
+                       run["metadata"]["commit"], run["metadata"]["kernel_set"]):
+            assert needle.encode() in logged, (mode, needle)
 
     out = tmp_path / "report"
     assert main(report_args([runs], out, warmup=0)) == 0
