@@ -15,9 +15,9 @@ class FakeTimingEvaluator(evaluator.Evaluator):
     """Latency by config, for the proposer's logic only: 10 us where an impl runs the
     kernel's own table, ``factor[N x K]`` x 10 us where its config sets the group."""
 
-    def __init__(self, run, factor: dict):
+    def __init__(self, run, factor: dict, spread: dict | None = None):
         super().__init__(run, rounds=1)
-        self.factor = factor
+        self.factor, self.spread = factor, spread or {}  # spread: workload -> candidate's factor
 
     def time(self, impls, workloads, seed, rounds=None):
         out = {}
@@ -26,6 +26,7 @@ class FakeTimingEvaluator(evaluator.Evaluator):
             shape = key.split(":")[1]
             out[w.name] = {name: 10.0 * (self.factor[shape] if key in impl.config else 1.0)
                            for name, impl in impls.items()}
+            out[w.name]["candidate"] *= self.spread.get(w.name, 1.0)
         return out, []
 
 
@@ -78,3 +79,18 @@ def test_a_cap_blocked_audit_yields_a_promotable_restricted_delta(tmp_path):
     best = run.get("candidates", run.state().best)
     assert second.promotable and best.id == second.candidate and best.config == {k: v for k, v in delta.items() if k.endswith(WIN)}
     assert f"{both.id} restricted" in best.note and run.best().speedup > 1.0
+
+
+def test_a_cap_broken_only_where_the_candidate_changes_nothing_is_named_as_spread(tmp_path):
+    run = evaluator.init_run(tmp_path / "run", "linear", "tiny", coefficients="uniform")
+    ev = FakeTimingEvaluator(run, {WIN: 0.8, LOSE: 1.0}, spread={"tiny.b.m5": 1.06})
+    logged = []
+    search = Mechanical(run, ev, SearchConfig(budget_s=120), log=logged.append)
+    rows = ev.op.moves({})[0][next(iter(ev.op.moves({})[0]))]
+    delta = {key: rows for key in {k for m in ev.op.moves({}) for k in m} if key.endswith(WIN)}
+    cand = evaluator.propose(run, ev.op, delta=delta, proposer="mechanical")
+    assert not search._finish([(cand, 0.9)], run.get("candidates", "root"), 0)
+    (audit,) = run.all("audits")  # nothing to restrict: every group it sets won
+    assert audit.passed and audit.reasons[0].startswith("tiny.b.m5: 1.060x")
+    assert any("does not change ['tiny.b.m5']" in n for n in run.get("lineage", cand.id).notes)
+    assert any("timing spread on ['tiny.b.m5']" in line for line in logged)

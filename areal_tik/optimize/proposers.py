@@ -259,7 +259,15 @@ class Mechanical:
         """The candidate's delta cut to the entries where it won: a promotable candidate
         when its losses (the per-workload cap) lie on other entries than its wins."""
         winners = {r["name"] for r in audit.workloads if r["candidate_us"] < r["root_us"]}
-        delta = self.op.restrict(_diff(incumbent.config, cand.config), winners, self.ev.workloads)
+        full = _diff(incumbent.config, cand.config)
+        over = [r["name"] for r in audit.workloads if r["candidate_us"] > self.run.config.cap * r["root_us"]]
+        untouched = [w.name for w in self.ev.workloads if w.name in over and not self.op.affects(full, w)]
+        if untouched:  # the root's own launch there: the timing's spread, not the candidate
+            self._note(cand.id, f"{audit.id}: over the cap on workloads it does not change {untouched}")
+            self.log(f"  {cand.id}: over the cap only through the timing spread on {untouched}"
+                     if len(untouched) == len(over) else f"  {cand.id}: over the cap also on {untouched}, "
+                     "which it does not change")
+        delta = self.op.restrict(full, winners, self.ev.workloads)
         if not delta:
             return None
         try:
