@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from .run_summary import summary_lines
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 CPU_RECIPE = "chain_sum_grpo_tiny_cpu.yaml"
 GPU_RECIPE = "basic_arithmetic_grpo_smollm2.yaml"
@@ -118,23 +120,6 @@ def prepare_model(workdir: str, cpu: bool, model: str | None) -> str:
             checkpoints.make_tiny_checkpoint(path, num_hidden_layers=1)
         return str(path)
     return str(checkpoints.smollm2_checkpoint(Path(workdir) / "smollm2-135m-instruct"))
-
-
-def summary_lines(history: list[dict], state, seconds: float, title: str = "areal-tik demo") -> list[str]:
-    rewards = [h.get("rollout/reward", h.get("ppo_actor/task_reward/avg", float("nan"))) for h in history]
-    info = state.summary()
-    lines = [f"{title}: {len(history)} GRPO steps in {seconds:.0f} s (AReaL PPOTrainer, flag on)"]
-    lines.append("reward per step: " + ", ".join(f"{r:.3f}" for r in rewards))
-    for i, h in enumerate(history):
-        kl = [h.get(f"ppo_actor/update/compute_logp/kl_div_direct/{m}", float("nan")) + 0.0 for m in ("min", "max")]
-        iw = [h.get(f"ppo_actor/update/importance_weight/{m}", float("nan")) for m in ("min", "max")]
-        lines.append(f"  step {i + 1}: kl_div_direct min/max {kl[0]:g}/{kl[1]:g}, importance_weight "
-                     f"min/max {iw[0]:g}/{iw[1]:g}, recompute pass "
-                     f"{'ran' if 'timeperf/recompute_logp' in h else 'skipped'}")
-    lines.append(f"tokens reused: {info['tokens_reused']}, recomputed (stale): {info['tokens_recomputed']}")
-    lines.append(f"audit: {info['verdict']} ({info['audited_tokens']} tokens compared)")
-    lines.append(f"recompute time saved (lower bound from the audit's recompute timing): {info['recompute_seconds_saved']:.2f} s")
-    return lines
 
 
 def add_arguments(parser) -> None:
