@@ -8,6 +8,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from areal_tik.adapter import launch
 from areal_tik.cli import COMMANDS, build_parser, main
@@ -119,23 +120,49 @@ def test_check_reports_bit_identical_logprobs(tmp_path, capsys):
     assert not missing, f"unified kernels unavailable: {missing}"
     report = tmp_path / "check.json"
     rc = main(["check", "--model", "tiny-qwen3", *TINY, "--num-prompts", "2", "--prompt-len", "3", "20",
-               "--temperature", "0.7", "--json", str(report), "--strict"])
+               "--temperature", "0.7", "--json", str(report)])
     assert rc == 0
-    assert "6/6 tokens bit-identical (100.00%)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "6/6 tokens bit-identical (100.00%)" in out
+    assert "device qualification passed on cpu" in out
     data = json.loads(report.read_text())
     assert data["fraction_identical"] == 1.0 and data["max_abs_delta"] == 0.0
+    assert data["qualification"]["passed"] is True and data["qualification"]["failing_ops"] == []
 
 
 def test_check_names_the_first_differing_op_on_standard_kernels(capsys):
     # The standard ops (SDPA over gathered pages in decode, a causal SDPA loop in the
     # packed forward) may or may not differ on CPU; when they do, an op must be named.
     rc = main(["check", "--model", "tiny-qwen3", "--kernels", "standard", *TINY, "--num-prompts", "3",
-               "--prompt-len", "5", "30"])
-    assert rc == 0
+               "--prompt-len", "5", "30", "--no-qualify"])
     out = capsys.readouterr().out
     assert "tokens bit-identical" in out
-    if "(100.00%)" not in out:
-        assert "first differing op: " in out
+    if "(100.00%)" in out:
+        assert rc == 0
+    else:  # any differing token fails the check, with or without --strict
+        assert rc == 1 and "first differing op: " in out
+
+
+def test_check_exits_non_zero_on_a_mismatch_and_on_a_failed_qualification(monkeypatch, capsys):
+    from areal_tik import consistency, qualify
+
+    args = ["check", "--model", "tiny-qwen3", *TINY, "--num-prompts", "1", "--prompt-len", "3", "3",
+            "--max-new-tokens", "2"]
+    original = consistency.packed_logprobs
+
+    def one_ulp_off(*a, **k):  # the training side one bit away on every token
+        return [(r.view(torch.int32) ^ 1).view(torch.float32) for r in original(*a, **k)]
+
+    monkeypatch.setattr(consistency, "packed_logprobs", one_ulp_off)
+    assert main(args + ["--no-qualify"]) == 1
+    assert "0/2 tokens bit-identical" in capsys.readouterr().out
+    monkeypatch.setattr(consistency, "packed_logprobs", original)
+    failed = qualify.Verdict(qualify.DeviceKey("cpu", 0, "none", "t", "t", "t"),
+                             [qualify.Check("linear", False, "rows 3 vs 64 differ")], 0.1)
+    monkeypatch.setattr(qualify, "qualify", lambda device=None, refresh=False: failed)
+    assert main(args) == 1
+    assert "device qualification FAILED on cpu (0 SMs, triton t, torch t): linear: rows 3 vs 64" \
+        in capsys.readouterr().out
 
 
 def test_generate_text_with_smollm2(capsys):

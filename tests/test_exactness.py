@@ -159,3 +159,22 @@ def test_the_fields_are_removed_before_the_loss():
     batch = [stamped(trajectory(2, [0]), 1.0)]
     exactness.pop_fields(batch)
     assert not any(k in batch[0] for k in exactness.KEYS) and "logprobs" in batch[0]
+
+
+def test_a_failed_device_qualification_refuses_reuse_naming_the_op(tmp_path, monkeypatch):
+    import types
+
+    from areal_tik import qualify
+    from areal_tik.adapter.actor import qualification_refusals
+    from areal_tik.qualify.verdict import store_verdicts
+
+    monkeypatch.setenv(qualify.CACHE_ENV, str(tmp_path / "verdicts.json"))
+    key = qualify.DeviceKey.of(torch.device("cpu"))
+    failed = qualify.Verdict(key, [qualify.Check("attention prefill vs decode", False, "row 3 differs"),
+                                   qualify.Check("linear", True, "ok")], 1.0)
+    store_verdicts(qualify.cache_path(), {key.id: failed.to_json()})  # this device's cached verdict
+    (reason,) = qualification_refusals(types.SimpleNamespace(device=torch.device("cpu")))
+    assert "device qualification FAILED" in reason and "failing: attention prefill vs decode" in reason
+    passed = qualify.Verdict(key, [qualify.Check("linear", True, "ok")], 1.0)
+    store_verdicts(qualify.cache_path(), {key.id: passed.to_json()})
+    assert qualification_refusals(types.SimpleNamespace(device=torch.device("cpu"))) == []

@@ -97,3 +97,34 @@ def test_verdict_and_recompute_rows_are_shared_across_processes():
     old.state.audit_pending = True
     stats, _ = old.prepare(batch, version=2, needs_prox=False)
     assert stats["audited_tokens"] == 4  # 2 here + 2 on the other process
+
+
+def test_the_reaction_to_a_failed_audit_is_the_configured_one():
+    from areal_tik.adapter.audit import ExactnessError
+
+    def batch():
+        return [group(trajectory(2, [0, 0], seed=7))]
+
+    warn = OldLogprobs(RunState(on_mismatch="warn"), exact_recompute([], flip=True), audit_sequences=0)
+    with pytest.warns(RuntimeWarning, match="Reuse continues"):
+        stats, fell_back = warn.prepare(batch(), version=0, needs_prox=True)
+    assert not fell_back and warn.reuse_active and warn.state.mismatches == 1
+    assert stats["audit_passed"] == 0.0 and stats["tokens_reused"] == 2
+    assert "1 audits found differing bits" in warn.state.verdict()
+    stop = OldLogprobs(RunState(on_mismatch="stop"), exact_recompute([], flip=True), audit_sequences=0)
+    with pytest.raises(ExactnessError, match="tik_on_mismatch=stop.*bitwise audit failed at step 1"):
+        stop.prepare(batch(), version=0, needs_prox=True)
+    with pytest.raises(ValueError, match="on_mismatch must be one of"):
+        RunState(on_mismatch="ignore")
+
+
+def test_default_mode_recomputes_no_stale_row_to_throw_it_away():
+    # AReaL's default mode (needs_prox False): the rollout log-probs are the old log-probs,
+    # so a stale row is not recomputed; only the audit sample is.
+    calls = []
+    batch = [group(trajectory(2, [1, 0, 1], seed=5), trajectory(2, [1, 1, 1], seed=6))]
+    state = RunState(audit_every=0)
+    state.audit_pending = False
+    old = OldLogprobs(state, exact_recompute(calls))
+    stats, _ = old.prepare(batch, version=1, needs_prox=False)
+    assert calls == [] and stats["tokens_recomputed"] == 0 and "prox_logp" not in batch[0]

@@ -15,6 +15,7 @@ so reuse of rollout log-probs stays exact.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -134,7 +135,7 @@ class TikServerBackend:
         model = server_args.get("model") or server_args.get("model_path")
         if not model:
             raise ValueError(f"server_args needs 'model' (or 'model_path'), got {sorted(server_args)}")
-        cmd = [sys.executable, "-m", "areal_tik.cli", "serve", "--model", str(model), "--exit-with-parent",
+        cmd = [sys.executable, "-m", "areal_tik.cli", "serve", "--model", str(model), "--parent-pid", str(os.getpid()),
                "--host", str(server_args.get("host", "127.0.0.1")), "--port", str(server_args.get("port", 0))]
         for key in ("dtype", "kernels", "device"):
             if server_args.get(key) is not None:

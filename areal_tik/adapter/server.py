@@ -20,8 +20,10 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
   once the trainer has joined too.
 - ``POST /update_weights_from_distributed``: ``{"names", "dtypes", "shapes", "group_name",
   "weight_version"}`` receives one bucket of tensors by broadcast from the group's rank 0.
-  Buckets are staged and applied together, in one ``LLM.update_weights``, once they cover
-  every tensor of the model: no token is ever sampled from half-updated weights.
+  Buckets are staged per ``weight_version`` and applied together, in one
+  ``LLM.update_weights``, once they cover every tensor of the model: no token is ever
+  sampled from half-updated weights, and a bucket of another version drops what was
+  staged (a failed partial update is never completed by its old tensors under a new tag).
 - ``GET /health`` (``{"status", "paused", "kernels"}``), ``GET /get_weight_version``
   (``{"weight_version": int}``).
 
@@ -78,7 +80,8 @@ class TikServer:
         self._thread: threading.Thread | None = None
         self._weights_lock = asyncio.Lock()
         self._groups: dict = {}          # group_name -> process group (weight updates)
-        self._staged: dict = {}          # name -> tensor received for the pending update
+        self._staged: dict = {}          # name -> tensor received for the pending update ...
+        self._staged_version = None      # ... of this weight_version
 
     # ------------------------------------------------------------------ app
 
@@ -229,6 +232,26 @@ class TikServer:
             torch.cuda.synchronize(self.llm.device)
         return received
 
+    def stage(self, received: dict, version: int | None) -> dict | None:
+        """Stage one bucket of ``version``; the whole update once the buckets of that version
+        cover every tensor of the model (the staging is then empty again), else None.
+        Tensors staged for another version are dropped first: never completed by these."""
+        if self._staged and self._staged_version != version:
+            logger.warning("dropping %d staged tensors of weight version %s: a bucket of version %s "
+                           "arrived before that update was complete", len(self._staged),
+                           self._staged_version, version)
+            self._staged = {}
+        self._staged_version = version
+        self._staged.update(received)
+        try:
+            if self.llm.validate_weights(self._staged):
+                return None
+        except (TypeError, ValueError):
+            self._staged = {}
+            raise
+        staged, self._staged = self._staged, {}
+        return staged
+
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         import torch
 
@@ -258,12 +281,11 @@ class TikServer:
             except RuntimeError as exc:  # a collective failure (torch's DistBackendError is one)
                 self._staged = {}
                 return _error(500, f"receiving the broadcast failed: {exc}")
-            self._staged.update(received)
             try:
-                if self.llm.validate_weights(self._staged):  # tensors still to come
+                staged = self.stage(received, version)
+                if staged is None:  # tensors still to come
                     return web.json_response({"success": True, "message": "staged",
                                               "staged_tensors": len(self._staged)})
-                staged, self._staged = self._staged, {}
                 restarted = await loop.run_in_executor(
                     None, lambda: self.llm.update_weights(staged, version=version, recompute_running=True))
             except (TypeError, ValueError) as exc:
@@ -335,10 +357,29 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="local HF checkpoint dir or .gguf file")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (logged)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", help=f"one of {SERVED_DTYPES}")
     parser.add_argument("--kernels", default=DEFAULT_KERNELS, choices=KERNEL_SETS)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="end when the process with this pid (this server's parent, a trainer) ends")
     add_dataclass_arguments(parser.add_argument_group("engine (EngineConfig)"), EngineConfig)
+
+
+SERVED_DTYPES = ("bfloat16", "float32")  # those generate/check and the trainer's bits are verified in
+
+
+def check_args(args) -> None:
+    """Refuse, before any model is loaded, what would fail later: one line (SystemExit)."""
+    from areal_tik.commands.flags import dataclass_from_args
+    from areal_tik.engine import EngineConfig
+
+    if args.dtype not in SERVED_DTYPES:
+        raise SystemExit(f"areal-tik serve: --dtype {args.dtype} is not served; use one of {SERVED_DTYPES} "
+                         "(the bitwise contract is verified in those)")
+    try:
+        dataclass_from_args(EngineConfig, args).check_kernels(args.kernels)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"areal-tik serve: bad engine option: {exc}") from None
 
 
 def build_llm(args):
@@ -364,13 +405,40 @@ def validate(args) -> None:
     validate_serve(args)
 
 
+def watch_parent(stop: threading.Event, parent: int, poll_seconds: float = 1.0) -> None:
+    """Set ``stop`` once the parent ``parent`` has ended: this process is re-parented, so
+    its parent pid is no longer ``parent`` (also when it ended before this was called).
+    A poll, not Linux's ``PR_SET_PDEATHSIG``: that fires when the parent's forking
+    *thread* ends, which a trainer's short-lived launcher thread does."""
+    import os
+
+    if os.getppid() != parent:
+        stop.set()
+
+    def poll() -> None:
+        while not stop.wait(poll_seconds):
+            if os.getppid() != parent:
+                logger.warning("the parent process (pid %d) ended: stopping the server", parent)
+                stop.set()
+
+    threading.Thread(target=poll, name="areal-tik-parent-watch", daemon=True).start()
+
+
 def main(args) -> int:
+    import signal
+
+    check_args(args)
     logging.basicConfig(level=logging.INFO)
+    stop = threading.Event()
+    # SIGTERM (the trainer's terminate(), or the parent-death signal) ends the server cleanly
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.parent_pid is not None:
+        watch_parent(stop, args.parent_pid)
     with build_llm(args) as llm:
         server = TikServer(llm, args.host, args.port).start()
         logger.info("serving on http://%s", server.address)
         try:
-            threading.Event().wait()
+            stop.wait()
         except KeyboardInterrupt:
             pass
         finally:

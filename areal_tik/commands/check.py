@@ -5,7 +5,10 @@
 
 Generates with the engine, recomputes every sampled token's log-prob with the packed
 training forward (in another packing order), compares the bits (``areal_tik.bitwise``)
-and, when a token differs, names the first op whose row differs.
+and, when a token differs, names the first op whose row differs. Then reports the
+device qualification verdict (``areal_tik.qualify``, cached per device key) that the
+actor consults before it reuses log-probs. Exit status 1 on any differing token or a
+failed qualification.
 """
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ def add_arguments(parser) -> None:
     model_args.add_arguments(parser)
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="tokens per packed forward")
     parser.add_argument("--json", help="also write the report as JSON here")
-    parser.add_argument("--strict", action="store_true", help="exit 1 unless every token is bit-identical")
+    parser.add_argument("--strict", action="store_true",
+                        help="kept for old scripts: check always exits 1 unless every token is bit-identical")
+    parser.add_argument("--no-qualify", action="store_true",
+                        help="skip the device qualification verdict (probe or cache read)")
     parser.set_defaults(ignore_eos=True)
 
 
@@ -56,6 +62,15 @@ def main(args) -> int:
               f"{div.regime}); first differing op: {where}, max |delta| = {div.max_abs_delta:.3g} "
               f"after {div.ops_compared} op outputs compared")
         report["first_divergence"] = vars(div)
+    qualified = True
+    if not args.no_qualify:
+        from areal_tik.qualify import qualify
+
+        verdict = qualify(model.device)
+        print(verdict.message() + (" (cached verdict)" if verdict.cached else ""))
+        report["qualification"] = {"passed": verdict.passed, "failing_ops": verdict.failing_ops,
+                                   "message": verdict.message(), "key": verdict.key.id}
+        qualified = verdict.passed
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return 0 if result.identical or not args.strict else 1
+    return 0 if result.identical and qualified else 1
