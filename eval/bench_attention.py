@@ -1,7 +1,7 @@
 """Benchmark: unified attention vs torch SDPA (cuDNN, flash, efficient), side by side.
 
 Usage (GPU, repo root):
-    python3 eval/bench_attention.py [--quick] [--out DIR_OR_CSV] [--block-size 64]
+    python3 -m eval.bench_attention [--quick] [--out DIR_OR_CSV] [--block-size 64]
 
 Shapes are Qwen3-style: 32 query / 8 KV heads, D = 128, bf16, causal.
 - prefill / training forward: one sequence of 1K, 4K, 16K tokens and 8 packed x 2K;
@@ -24,7 +24,6 @@ column. Writes a long-format CSV (device, versions, commit, date).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -32,7 +31,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from eval.harness import run_info, write_csv  # noqa: E402
 
 import triton  # noqa: E402

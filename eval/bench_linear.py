@@ -1,7 +1,7 @@
 """Benchmark: unified linear vs torch F.linear (cuBLAS), side by side in one process.
 
 Usage (GPU, repo root):
-    python3 eval/bench_linear.py [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
+    python3 -m eval.bench_linear [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
 
 Times both implementations on the linear shapes of Qwen3-0.6B, Qwen3-1.7B and
 Llama-3.2-1B at 1..16384 tokens, prints the speed ratio (cuBLAS time / ours: >1 means
@@ -29,14 +29,12 @@ import argparse
 import importlib
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from eval.harness import event_us, graph_times, run_info, write_csv  # noqa: E402
 
 from triton.runtime.errors import OutOfResources  # noqa: E402

@@ -1,7 +1,7 @@
 """Benchmark: fused unified token log-prob/entropy vs the standard path, side by side in one process.
 
 Usage (GPU, repo root):
-    python3 eval/bench_logprob.py [--quick] [--sweep] [--out DIR_OR_CSV]
+    python3 -m eval.bench_logprob [--quick] [--sweep] [--out DIR_OR_CSV]
 
 Standard path (what Hugging Face + AReaL do): cuBLAS ``F.linear`` -> bf16 logits ->
 ``log_softmax(logits.float() / T)`` -> gather, plus entropy. Unified path:
@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from eval.harness import run_info, write_csv  # noqa: E402
 
 from triton.runtime.errors import OutOfResources  # noqa: E402

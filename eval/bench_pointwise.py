@@ -1,8 +1,8 @@
 """Benchmark: unified rms_norm / add_rms_norm / apply_rope / silu_mul vs torch eager.
 
 Usage (GPU, repo root):
-    python3 eval/bench_pointwise.py [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
-    python3 eval/bench_pointwise.py --aot [--check]   # no GPU needed: compile for sm_90a
+    python3 -m eval.bench_pointwise [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
+    python3 -m eval.bench_pointwise --aot [--check]   # no GPU needed: compile for sm_90a
 
 Times, side by side in one process, the unified kernels and the standard torch path
 (``reference.*`` with ``compute=None``: the Hugging Face formulas in eager torch ops) at
@@ -57,7 +57,6 @@ if "--aot" in sys.argv:
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from eval.harness import event_us, graph_times, run_info, write_csv  # noqa: E402
 
 import triton  # noqa: E402

@@ -1,8 +1,8 @@
 """Benchmark: prefix caching and chunked prefill in the engine, with bitwise checks.
 
 Usage (GPU, repo root):
-    python3 eval/bench_prefix.py [--model qwen3-0.6b] [--out DIR_OR_CSV]
-    python3 eval/bench_prefix.py --device cpu   # plumbing smoke test: tiny model, tiny sizes
+    python3 -m eval.bench_prefix [--model qwen3-0.6b] [--out DIR_OR_CSV]
+    python3 -m eval.bench_prefix --device cpu   # plumbing smoke test: tiny model, tiny sizes
 
 1. GRPO, prompt-heavy: ``--groups`` prompts x n = ``--samples`` samples of
    ``--prompt-len`` tokens (defaults 8 x 8 x 2048), ``--new-tokens`` (256) answer tokens at
@@ -43,7 +43,6 @@ if "--device=cpu" in sys.argv or any(a == "--device" and b == "cpu" for a, b in 
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from eval.harness import run_info, write_csv  # noqa: E402
 
 from areal_tik.cli import RANDOM_INIT  # noqa: E402

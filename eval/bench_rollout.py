@@ -1,7 +1,7 @@
 """Benchmark: rollout tokens/s of the engine (unified vs standard ops) vs Hugging Face generate.
 
 Usage (GPU, repo root):
-    python3 eval/bench_rollout.py [--quick] [--model qwen3-0.6b] [--out DIR_OR_CSV]
+    python3 -m eval.bench_rollout [--quick] [--model qwen3-0.6b] [--out DIR_OR_CSV]
 
 One random-initialised model with a published config (weights shared by all three
 backends, same prompts): the areal-tik engine on the unified Triton kernels, the same
@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from eval.harness import run_info, write_csv  # noqa: E402
 
 from areal_tik.cli import RANDOM_INIT  # noqa: E402

@@ -2,7 +2,7 @@
 stock step we can assemble, side by side in one process.
 
 Usage (GPU, repo root):
-    python3 eval/bench_train.py [--quick] [--models M,...] [--packings P,...] [--out DIR_OR_CSV]
+    python3 -m eval.bench_train [--quick] [--models M,...] [--packings P,...] [--out DIR_OR_CSV]
 
 Models: random init from the published configs (Qwen3-0.6B, Qwen3-1.7B, Llama-3.2-1B).
 Packings: ``grpo`` (64 sequences: prompt 48..80 + answer 64 + 256 u^3 tokens, u uniform,
@@ -60,7 +60,6 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from eval.harness import run_info, write_csv  # noqa: E402
 from eval.train_baselines import (ATTN_NAME, liger_loss, stock_attention_label, stock_logprob_fn,  # noqa: E402
                                   varlen_attention)

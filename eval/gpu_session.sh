@@ -38,12 +38,12 @@ run() {  # run NAME TIMEOUT CMD...
 for s in $STAGES; do case $s in
   env) run env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"' ;;
   tests) run tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/ ;;
-  bench_ops) run bench_linear 150 python3 eval/bench_linear.py --out "$W/csv"
-             run bench_pointwise 90 python3 eval/bench_pointwise.py --out "$W/csv"
-             run bench_logprob 60 python3 eval/bench_logprob.py --out "$W/csv" ;;
-  sweep_linear) run sweep_linear 240 python3 eval/bench_linear.py --sweep --out "$W/csv" ;;
-  bench_attn) run bench_attention 120 python3 eval/bench_attention.py --out "$W/csv" ;;
-  probe_attn) run probe_attention 160 python3 eval/probe_attention.py ;;
+  bench_ops) run bench_linear 150 python3 -m eval.bench_linear --out "$W/csv"
+             run bench_pointwise 90 python3 -m eval.bench_pointwise --out "$W/csv"
+             run bench_logprob 60 python3 -m eval.bench_logprob --out "$W/csv" ;;
+  sweep_linear) run sweep_linear 240 python3 -m eval.bench_linear --sweep --out "$W/csv" ;;
+  bench_attn) run bench_attention 120 python3 -m eval.bench_attention --out "$W/csv" ;;
+  probe_attn) run probe_attention 160 python3 -m eval.probe_attention ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
            run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json
              for pass in cold warm; do echo "-- $pass"; python3 -m areal_tik.qualify --refresh || exit $?; done
@@ -51,8 +51,8 @@ for s in $STAGES; do case $s in
   check) for m in qwen3-0.6b qwen3-1.7b llama-3.2-1b; do
            run "check_$m" 150 python3 -m areal_tik.cli check --model "$m" --num-prompts 64 --max-new-tokens 256 --no-progress
          done ;;
-  bench_rollout) run bench_rollout 300 python3 eval/bench_rollout.py --out "$W/csv" ;;
-  bench_prefix) run bench_prefix 300 python3 eval/bench_prefix.py --out "$W/csv" ;;  # about 4 minutes
+  bench_rollout) run bench_rollout 300 python3 -m eval.bench_rollout --out "$W/csv" ;;
+  bench_prefix) run bench_prefix 300 python3 -m eval.bench_prefix --out "$W/csv" ;;  # about 4 minutes
   stage) mkdir -p "$STAGE" && cp .carry/part* "$STAGE"/ && ls -la "$STAGE" ;;
   deps) run deps 300 bash -c "set -e; mkdir -p $STAGE/wheels; cat $STAGE/part* | tar xf - -C $STAGE/wheels; \
           cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \
@@ -68,7 +68,7 @@ for s in $STAGES; do case $s in
             cp "$GRPO_OUT"/* "$W/csv"/ 2>/dev/null ;;
   # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
   # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
-  bench_train) run bench_train 420 python3 eval/bench_train.py --out "$W/csv" ;;
+  bench_train) run bench_train 420 python3 -m eval.bench_train --out "$W/csv" ;;
   # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
   # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
   bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
@@ -84,8 +84,8 @@ for s in $STAGES; do case $s in
   # The same recipe twice on one persistent Triton cache: the second run must compile nothing
   # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
   bench_train_cache) ( export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
-             run bench_train_run1 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
-             run bench_train_run2 240 python3 eval/bench_train.py --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ) ;;
+             run bench_train_run1 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
+             run bench_train_run2 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ) ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

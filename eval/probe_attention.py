@@ -1,10 +1,10 @@
 """Probe attention kernel configs: kernel time of each candidate, and prefill == decode bits.
 
 Usage:
-    python3 eval/probe_attention.py            # GPU: forward and backward candidates, < 150 s
-    python3 eval/probe_attention.py --aot      # no GPU needed: compile for sm_90a, print
+    python3 -m eval.probe_attention            # GPU: forward and backward candidates, < 150 s
+    python3 -m eval.probe_attention --aot      # no GPU needed: compile for sm_90a, print
                                                # registers / spills / shared memory
-    python3 eval/probe_attention.py --aot --check   # default configs only; exit 1 if a
+    python3 -m eval.probe_attention --aot --check   # default configs only; exit 1 if a
                                                # kernel fails to compile or prefill and
                                                # decode differ in MMA layout or float ops
 
@@ -32,8 +32,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "eval"))
 
 if "--aot" in sys.argv:
     os.environ.pop("TRITON_INTERPRET", None)  # compile real kernels, not interpreter ones
@@ -141,7 +139,7 @@ def check_bits(cfg, inp: Inputs):
 
 
 def probe_forward(cfg, inp: Inputs) -> dict:
-    from bench_attention import graph_us
+    from eval.bench_attention import graph_us
 
     res = {}
     for n, (q, k, v, cu) in inp.prefill.items():

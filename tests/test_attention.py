@@ -279,8 +279,8 @@ def test_kernels_compile_for_sm90_with_identical_core():
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton build ships no ptxas")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(REPO / "eval" / "probe_attention.py"), "--aot", "--check"],
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-m", "eval.probe_attention", "--aot", "--check"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
 
 

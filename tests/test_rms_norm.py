@@ -297,12 +297,12 @@ def test_candidate_list():
 def test_aot_table_keeps_row_layout():
     """Without a GPU: compiled for sm_90a, every norm table geometry reduces a row with the
     lanes and warps of the first GPU run's geometry (so no output bit moved), and no
-    table kernel of the three ops spills (``eval/bench_pointwise.py --aot --check``)."""
+    table kernel of the three ops spills (``python3 -m eval.bench_pointwise --aot --check``)."""
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this triton build ships no ptxas")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(REPO / "eval" / "bench_pointwise.py"), "--aot", "--check"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "eval.bench_pointwise", "--aot", "--check"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
