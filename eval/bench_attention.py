@@ -228,7 +228,7 @@ def bench_prefill(cases, rep_ms, info) -> list[dict]:
         _check_close(_as_batch(ours(), lengths), variants, f"prefill {name}")
         rows += _ratio_rows("prefill", name, (timed(ours, rep_ms), graph_us_or_nan(ours)),
                             _time_sdpa(variants, rep_ms, graph=True), _causal_flops(lengths), "tflops",
-                            info, _cfg_name(_attention_fwd.default_config()))
+                            info, _cfg_name(_attention_fwd.attention_config()))
     return rows
 
 
@@ -274,7 +274,7 @@ def bench_backward(cases, rep_ms, info) -> list[dict]:
         rows += _ratio_rows("backward", name, (timed(ours, rep_ms), float("nan")),
                             _time_sdpa(variants, rep_ms, graph=False),
                             2.5 * _causal_flops(lengths), "tflops", info,
-                            _cfg_name(_attention_bwd.default_bwd_config()))
+                            _cfg_name(_attention_bwd.attention_bwd_config()))
     return rows
 
 
@@ -313,8 +313,8 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", message=".*has been runtime disabled.*")
     info, start = run_info(), time.time()
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}")
-    print(f"forward config {_cfg_name(_attention_fwd.default_config())}; "
-          f"backward {_cfg_name(_attention_bwd.default_bwd_config())}")
+    print(f"forward config {_cfg_name(_attention_fwd.attention_config())}; "
+          f"backward {_cfg_name(_attention_bwd.attention_bwd_config())}")
     quick = args.quick
     rows = bench_prefill(QUICK_PREFILL if quick else PREFILL, args.rep_ms, info)
     rows += bench_decode(QUICK_DECODE if quick else DECODE, args.block_size, args.rep_ms, info)

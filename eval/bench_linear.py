@@ -17,7 +17,7 @@ Python/launch cost leak into small-M numbers (the first run saw our M=1 time jum
 Longer calls use ``triton.testing.do_bench`` (L2 cleared before every call), as does
 ``--timer events`` for everything.
 
-``--sweep`` also times every invariance-proven tile geometry (``linear.geometry_variants``,
+``--sweep`` also times every invariance-proven tile geometry (``linear.linear_candidates``,
 both kernels) per token count on a few shapes, skipping geometries that cannot be
 competitive there (BLOCK_M > 64 below 512 rows, decode tiles above 1024, persistent below
 512), prints the best next to the table's choice and a summary of the table's losses,
@@ -124,7 +124,7 @@ def bench_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> list[dict]:
         err = ((ours - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"{model}/{layer} M={m}: unified vs cuBLAS rel err {err:.3g}"
         del x, w, ours, ref
-        cfg = L.select_config(m, n, k, torch.bfloat16)
+        cfg = L.linear_config(m, n, k, torch.bfloat16)
         timed = {"unified": measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer),
                  "cublas": measure(lambda x, w: lambda: torch.nn.functional.linear(x, w), m, k, n, rep_ms, timer)}
         ratio = timed["cublas"]["us"] / timed["unified"]["us"]
@@ -152,8 +152,8 @@ def sweep_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> tuple[list[d
     rows, losses = [], []
     for m in tokens:
         results = {}
-        chosen = L.select_config(m, n, k, torch.bfloat16)
-        for cfg in (c for c in L.geometry_variants(torch.bfloat16) if c == chosen or sweep_worthy(c, m)):
+        chosen = L.linear_config(m, n, k, torch.bfloat16)
+        for cfg in (c for c in L.linear_candidates(torch.bfloat16) if c == chosen or sweep_worthy(c, m)):
             try:
                 results[cfg] = measure(lambda x, w, cfg=cfg: lambda: L.linear_forward(x, w, None, config=cfg),
                                        m, k, n, rep_ms, timer)

@@ -139,7 +139,7 @@ def sweep(V, H, tokens, rep_ms, info) -> list[dict]:
         hidden, weight, targets, _, _ = inputs(T, V, H)
         results = {}
         for cfg in SWEEP_TILES:
-            tiles = L._Tiles(*cfg)
+            tiles = L.LogprobConfig(*cfg)
             try:
                 results[cfg] = measure(lambda: L._forward(hidden, weight, targets, TEMPERATURE, True, False, tiles),
                                        2.0 * T * V * H, rep_ms)
@@ -147,11 +147,11 @@ def sweep(V, H, tokens, rep_ms, info) -> list[dict]:
                 print(f"sweep {cfg}: {err}", flush=True)
                 continue
             rows += _rows(info, "sweep", V, H, T, "fwd", "unified_sweep", _name(tiles), results[cfg])
-        default = dataclasses.astuple(L._tiles_for(V, H, torch.bfloat16))
+        default = dataclasses.astuple(L.logprob_config(V, H, torch.bfloat16))
         best = min(results, key=lambda c: results[c]["ms"])
-        print(f"sweep V={V} H={H} T={T:<6} best {_name(L._Tiles(*best))} {results[best]['ms']:.3f} ms; "
-              f"default {_name(L._Tiles(*default))} {results.get(default, {'ms': float('nan')})['ms']:.3f} ms; "
-              + " ".join(f"{_name(L._Tiles(*c))}={r['ms']:.3f}" for c, r in results.items()), flush=True)
+        print(f"sweep V={V} H={H} T={T:<6} best {_name(L.LogprobConfig(*best))} {results[best]['ms']:.3f} ms; "
+              f"default {_name(L.LogprobConfig(*default))} {results.get(default, {'ms': float('nan')})['ms']:.3f} ms; "
+              + " ".join(f"{_name(L.LogprobConfig(*c))}={r['ms']:.3f}" for c, r in results.items()), flush=True)
     return rows
 
 
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
         raise SystemExit("bench_logprob needs a CUDA GPU")
     info, start = run_info(), time.time()
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}  "
-          f"temperature {TEMPERATURE}  default tiles {_name(L._tiles_for(151936, 1024, torch.bfloat16))}")
+          f"temperature {TEMPERATURE}  default tiles {_name(L.logprob_config(151936, 1024, torch.bfloat16))}")
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if args.quick else (SHAPES, TOKENS)
     rows = []
     for model, V, H in shapes:

@@ -76,10 +76,10 @@ for s in $STAGES; do case $s in
             run "$s" 570 python3 -m areal_tik.cli run --recipe "$recipe" --mode "$mode" --out "$RUNS_OUT" ;;
   report) run report 120 python3 -m areal_tik.cli report "$RUNS_OUT" --out "$W/report"
           (cd "$RUNS_OUT" && find . -name run.json | tar cf - -T -) | tar xf - -C "$W/report" ;;
-  optimize) run optimize 570 python3 eval/optimize_gpu.py --out "$OUT" --budget-s attention=240 linear=120 ;;
-  optimize_attention) run optimize_attention 570 python3 eval/optimize_gpu.py --out "$OUT/attention" \
+  optimize) run optimize 570 python3 -m eval.optimize_gpu --out "$OUT" --budget-s attention=240 linear=120 ;;
+  optimize_attention) run optimize_attention 570 python3 -m eval.optimize_gpu --out "$OUT/attention" \
                         --ops attention --budget-s attention=420 ;;
-  optimize_linear) run optimize_linear 570 python3 eval/optimize_gpu.py --out "$OUT/linear" \
+  optimize_linear) run optimize_linear 570 python3 -m eval.optimize_gpu --out "$OUT/linear" \
                      --ops linear --budget-s linear=420 ;;
   # The same recipe twice on one persistent Triton cache: the second run must compile nothing
   # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).

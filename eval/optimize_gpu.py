@@ -2,9 +2,9 @@
 request log-prob, norm, rope, swiglu (``--ops logprob norm rope swiglu``).
 
 Usage (GPU, repo root):
-    python3 eval/optimize_gpu.py --out DIR [--ops attention linear]
+    python3 -m eval.optimize_gpu --out DIR [--ops attention linear]
                                  [--budget-s attention=300 linear=100] [--rounds 3] [--l2-flush]
-    python3 eval/optimize_gpu.py --out DIR --grid tiny --device cpu    # CPU smoke run (interpreter)
+    python3 -m eval.optimize_gpu --out DIR --grid tiny --device cpu    # CPU smoke run (interpreter)
 
 For each op: ``init`` a run on the h200 grid (coefficients c_w = 1 / root latency, so
 T(root) = number of workloads), then the mechanical proposer (one-knob moves, successive
@@ -30,7 +30,6 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
     # Before triton is imported (it fixes interpreter vs GPU then), hence before the imports below.
     os.environ.setdefault("TRITON_INTERPRET", "1")

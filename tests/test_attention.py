@@ -20,7 +20,7 @@ import triton
 
 from areal_tik.unified_kernels import _attention_bwd, _attention_fwd, reference
 from areal_tik.unified_kernels import attention as attn_mod
-from areal_tik.unified_kernels._attention_fwd import FwdConfig, default_config
+from areal_tik.unified_kernels._attention_fwd import FwdConfig, attention_config
 from areal_tik.unified_kernels.attention import attention_decode, attention_varlen, store_kv_cache
 from tests._bits import assert_bitwise, rel_err
 
@@ -48,7 +48,7 @@ def _qkv(T, hq, hk, dim, dtype, device, seed=0):
 
 
 def _block_size():
-    return 2 * default_config().block_n
+    return 2 * attention_config().block_n
 
 
 class PagedCache:
@@ -241,7 +241,7 @@ def test_training_forward_with_grad_equals_inference_forward(device):
 def test_single_split_table_equals_multi_split_table(device):
     """A block table covering one KV split takes the in-kernel fold; a wider one writes
     split partials for the combine kernel. Same bits either way."""
-    cfg = default_config()
+    cfg = attention_config()
     n = cfg.kv_split  # exactly one split
     q, k, v = _qkv(n, 4, 2, 16, torch.bfloat16, device, seed=45)
     full = attention_varlen(q, k, v, _cu([n], device), n)
@@ -259,8 +259,8 @@ def test_single_split_table_equals_multi_split_table(device):
 def test_scheduling_switches_keep_bits(device):
     """Skipping the mask on whole tiles and running prefill programs of one sub-tile
     instead of two are scheduling choices, not numerics changes."""
-    masked_only = dataclasses.replace(default_config(), unmasked_loop=False)
-    one_subtile = dataclasses.replace(default_config(), prefill_subtiles=1)
+    masked_only = dataclasses.replace(attention_config(), unmasked_loop=False)
+    one_subtile = dataclasses.replace(attention_config(), prefill_subtiles=1)
     q, k, v = _qkv(75, 4, 2, 16, torch.bfloat16, device, seed=47)
     cu = _cu([70, 5], device)
     base = attention_varlen(q, k, v, cu, 70)
@@ -310,7 +310,7 @@ def test_decode_zero_context_gives_zeros(device):
 
 def test_negative_control_other_block_n_changes_bits(device):
     """The bitwise checks can fail: a different KV tile size reorders the softmax sums."""
-    base = default_config()
+    base = attention_config()
     other = FwdConfig(base.block_m, 2 * base.block_n, base.num_warps, 2 * base.kv_split,
                       base.stages_prefill, base.stages_decode)
     q, k, v = _qkv(70, 4, 2, 16, torch.bfloat16, device, seed=70)
@@ -418,7 +418,7 @@ def test_bad_decode_input_raises(device):
     table = cache.tables[0][None]
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     covered = table.shape[1] * bs
-    half_tile = default_config().block_n // 2
+    half_tile = attention_config().block_n // 2
     cases = [
         ((q, cache.k, cache.v, table, i32([covered + 1])), ValueError, "context_lens"),
         ((q, cache.k, cache.v, table, i32([-1])), ValueError, "context_lens"),
@@ -465,7 +465,7 @@ GPU_SHAPES = [(32, 8, 128), (16, 8, 64)]  # (Hq, Hk, D): GQA 4 and 2
 
 def _boundary_positions(n):
     """Tile (64), prefill program (128) and KV-split boundaries, the middle and the last row."""
-    split = default_config().kv_split
+    split = attention_config().kv_split
     edges = {0, 1, 63, 64, 65, 127, 128, 129, n // 2, n - 2, n - 1}
     edges |= {s + e for s in range(split, n, split) for e in (-1, 0, 1)}
     return sorted(p for p in edges if 0 <= p < n)
@@ -587,7 +587,7 @@ def test_gpu_negative_controls():
         one = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], k, v)
         differs.append(not torch.equal(full[:, :, -1:].view(torch.int16), one.view(torch.int16)))
     assert any(differs), "SDPA prefill and decode agreed bitwise at every length"
-    base = default_config()
+    base = attention_config()
     other = FwdConfig(base.block_m, 2 * base.block_n, base.num_warps, base.kv_split)
     q, k, v = _qkv(3000, 32, 8, 128, torch.bfloat16, "cuda", seed=111)
     cu = _cu([3000], "cuda")
@@ -645,7 +645,7 @@ def test_gpu_int64_offsets_and_layout_invariance():
 
 @gpu
 def test_gpu_unmasked_loop_switch_keeps_bits():
-    masked_only = dataclasses.replace(default_config(), unmasked_loop=False)
+    masked_only = dataclasses.replace(attention_config(), unmasked_loop=False)
     q, k, v = _qkv(5000, 32, 8, 128, torch.bfloat16, "cuda", seed=130)
     cu = _cu([3000, 2000], "cuda")
     assert_bitwise(attention_varlen(q, k, v, cu, 3000, config=masked_only),
@@ -663,7 +663,7 @@ def test_gpu_unmasked_loop_switch_keeps_bits():
 def test_gpu_prefill_subtiles_keep_bits(hq, hk, dim):
     """A prefill program of 2 sub-tiles (128 rows, 8 warps) gives the bits of programs of
     one 64-row sub-tile (the decode tiling), with and without the training LSE."""
-    base = default_config()
+    base = attention_config()
     one, two = (dataclasses.replace(base, prefill_subtiles=s) for s in (1, 2))
     lengths = [1, 100, 129, 1000, 2049, 3000]
     q, k, v = _qkv(sum(lengths) + 5, hq, hk, dim, torch.bfloat16, "cuda", seed=140)

@@ -130,7 +130,7 @@ def test_linear_keys_change_only_with_the_tile_schedule(launches):
     for rows in range(1, 41):  # crosses the interpreter's buckets (4, 32 rows) and BLOCK_M
         launches.clear()
         U.linear(_z(rows, 40), w, b)
-        cfg = L.select_config(rows, 24, 40, torch.bfloat16)
+        cfg = L.linear_config(rows, 24, 40, torch.bfloat16)
         by_variant.setdefault((cfg, rows < cfg.block_m), set()).update(launches)
     assert all(len(keys) == 1 for keys in by_variant.values()), by_variant
     assert len({next(iter(keys)) for keys in by_variant.values()}) == len(by_variant)
@@ -154,7 +154,7 @@ def test_warmup_launches_every_key_a_later_step_uses(launches):
 
 @pytest.mark.parametrize("lengths", [(3,), (16, 16), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)])
 def test_warmup_covers_attention_packings(launches, lengths):
-    block_size = 2 * F.default_config().block_n
+    block_size = 2 * F.attention_config().block_n
     tasks = W.warm_attention((4, 2, 16), torch.bfloat16, DEVICE, training=True)
     for task in tasks + W.warm_paged_attention((4, 2, 16), torch.bfloat16, DEVICE, block_size):
         task()
@@ -255,7 +255,7 @@ def _attention_packing(lengths, block_size: int) -> None:
     """Every attention launch for one packing: training forward + backward, rollout prefill,
     paged prefill at an offset, the KV store, and decode (a block table of >= 2 KV splits,
     its width following the packing)."""
-    cfg = F.default_config()
+    cfg = F.attention_config()
     t, s = sum(lengths), len(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q, k, v = _z(t, 4, 16, grad=True), _z(t, 2, 16, grad=True), _z(t, 2, 16, grad=True)
@@ -273,7 +273,7 @@ def _attention_packing(lengths, block_size: int) -> None:
 
 
 def test_attention_keys_do_not_depend_on_the_packing(launches):
-    block_size = 2 * F.default_config().block_n
+    block_size = 2 * F.attention_config().block_n
     first = assert_same_keys(launches, PACKINGS, lambda lengths: _attention_packing(lengths, block_size))
     names = [key[0] for key in first]
     assert set(names) == {"_prefill_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",

@@ -188,14 +188,14 @@ def test_every_config_and_fixed_tile_give_same_bits(dtype, device, monkeypatch):
     x, w, b = _problem(45, 56, 40, dtype, device, seed=10)
     base = linear(x, w, b)
     persistent = _count_persistent_launches(monkeypatch)
-    configs = L.geometry_variants(dtype)
+    configs = L.linear_candidates(dtype)
     for cfg in configs:
         assert_bitwise(L.linear_forward(x, w, b, config=cfg), base, f"config {cfg}")
     assert persistent["calls"] == sum(cfg.persistent for cfg in configs)
     assert persistent["calls"] > 0 or dtype == torch.float32 and device == "cuda"  # GPU fp32: tiled only
     monkeypatch.setattr(L, "FIXED_TILE", True)
-    fixed = L.select_config(45, 40, 56, dtype)
-    assert all(L.select_config(m, n, 56, dtype) == fixed for m in (1, 5, 33, 10 ** 6) for n in (16, 10 ** 5))
+    fixed = L.linear_config(45, 40, 56, dtype)
+    assert all(L.linear_config(m, n, 56, dtype) == fixed for m in (1, 5, 33, 10 ** 6) for n in (16, 10 ** 5))
     assert_bitwise(linear(x, w, b), base, "fixed tile")
 
 
@@ -217,7 +217,7 @@ def test_persistent_kernel_falls_back_when_tma_cannot_read(dtype, device, monkey
     """TMA needs unit inner strides and 16-byte aligned bases and row strides; otherwise
     a persistent config runs the tiled kernel, with the same bits."""
     x, w, b = _problem(37, 48, 40, dtype, device, seed=16)
-    cfg = next((c for c in L.geometry_variants(dtype) if c.persistent), None)
+    cfg = next((c for c in L.linear_candidates(dtype) if c.persistent), None)
     if cfg is None:
         pytest.skip(f"no persistent config for {dtype} here")
     persistent = _count_persistent_launches(monkeypatch)
@@ -251,7 +251,7 @@ def test_negative_control_split_k_changes_bits(device):
 def test_negative_control_block_k_changes_bits_in_interpreter():
     """Under the interpreter each BLOCK_K block is summed, then added: BLOCK_K sets the bits."""
     x, w, b = _problem(16, 128, 64, torch.float32, "cpu", seed=11)
-    cfg = L.select_config(16, 64, 128, torch.float32)
+    cfg = L.linear_config(16, 64, 128, torch.float32)
     base = L.linear_forward(x, w, b, config=cfg)
     other = L.linear_forward(x, w, b, config=dataclasses.replace(cfg, block_k=2 * cfg.block_k))
     assert rel_err(other, base) < 1e-6
@@ -287,7 +287,7 @@ def test_gpu_table_selection(monkeypatch):
     monkeypatch.setattr(L, "interpreting", lambda: False)
 
     def pick(m, n, k=2048, **kw):
-        cfg = L.select_config(m, n, k, torch.bfloat16, sms=132, **kw)
+        cfg = L.linear_config(m, n, k, torch.bfloat16, sms=132, **kw)
         return cfg.block_m, cfg.block_n, cfg.num_stages, "P" if cfg.persistent else "T"
 
     assert pick(1, 1024) == pick(64, 2048) == pick(128, 1024) == (64, 16, 20, "T")
@@ -409,7 +409,7 @@ def test_gpu_every_geometry_gives_same_bits(shape, m, candidates, monkeypatch):
     dtype, k, n, bias = shape
     x, w, b = _gpu_problem(m, k, n, dtype, seed=22, bias=bias)
     table = {cfg for _, ladder in L.buckets(dtype) for cfg, _, _ in ladder}
-    configs = L.geometry_variants(dtype, candidates=candidates)
+    configs = L.linear_candidates(dtype, candidates=candidates)
     persistent = _count_persistent_launches(monkeypatch)
     base = L.linear_forward(x, w, b, config=configs[0])
     for cfg in configs[1:]:
@@ -542,7 +542,7 @@ def test_gpu_block_k_report(dtype):
     """Context, never a failure: does BLOCK_K change bits on this GPU? The MMA chain over
     K (k16 wgmma steps for bf16, one FMA per k for fp32) may make BLOCK_K a free choice."""
     x, w, b = _gpu_problem(300, 2048, 3072, dtype, seed=27, bias=True)
-    cfg = L.select_config(300, 3072, 2048, dtype)
+    cfg = L.linear_config(300, 3072, 2048, dtype)
     base = L.linear_forward(x, w, b, config=cfg)
     report = {}
     for block_k in (cfg.block_k // 2, 2 * cfg.block_k):

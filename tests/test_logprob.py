@@ -188,7 +188,7 @@ def test_forward_scratch_is_o_t_times_splits(device, monkeypatch):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         token_logprobs(hidden, weight.requires_grad_(), targets, 1.0, return_entropy=True)
-    n_splits = math.ceil(V / logprob._tiles_for(V, H, weight.dtype).split_v)
+    n_splits = math.ceil(V / logprob.logprob_config(V, H, weight.dtype).split_v)
     assert max(math.prod(s) for s in allocated) == 3 * n_splits * T  # the split states
     assert max(math.prod(s) for s in saved) == V * H  # weight itself; no [T, V] tensor
     assert logprob._bwd_chunk(16384, 151936) * 16384 <= logprob._BWD_BUDGET
@@ -200,10 +200,10 @@ def test_forward_scratch_is_o_t_times_splits(device, monkeypatch):
 def test_split_size_changes_bits(device):
     """The bitwise checks can fail: another SPLIT_V (a shape-dependent schedule) changes bits."""
     hidden, weight, targets = _inputs(20, 32, 1000, torch.float32, device, seed=9)
-    tiles = logprob._tiles_for(1000, 32, torch.float32)
+    tiles = logprob.logprob_config(1000, 32, torch.float32)
     args = (hidden, weight, targets, 1.0, True, False)
     lp_a, ent_a, lse_a, _ = logprob._forward(*args, tiles=tiles)
-    other = logprob._Tiles(**{**tiles.__dict__, "split_v": tiles.split_v * 4})
+    other = logprob.LogprobConfig(**{**tiles.__dict__, "split_v": tiles.split_v * 4})
     lp_b, ent_b, lse_b, _ = logprob._forward(*args, tiles=other)
     assert not torch.equal(lse_a.view(torch.int32), lse_b.view(torch.int32))
     assert rel_err(lse_a, lse_b) < 1e-6  # same values up to rounding

@@ -114,14 +114,14 @@ def test_a_tile_dependent_fault_is_repaired_by_pinning_linear():
 
 def test_pinning_linear_to_one_tile_is_reversible_and_nests():
     shapes = [(m, n) for m in (1, 5, 33, 4000) for n in (16, 1000)]
-    before = [L.select_config(m, n, 32, torch.bfloat16) for m, n in shapes]
+    before = [L.linear_config(m, n, 32, torch.bfloat16) for m, n in shapes]
     assert len(set(before)) > 1
     with qualify.pin_linear_tile():
         inner = qualify.pin_linear_tile()
-        assert len({L.select_config(m, n, 32, torch.bfloat16) for m, n in shapes}) == 1
+        assert len({L.linear_config(m, n, 32, torch.bfloat16) for m, n in shapes}) == 1
         inner.revert()
-        assert len({L.select_config(m, n, 32, torch.bfloat16) for m, n in shapes}) == 1
-    assert [L.select_config(m, n, 32, torch.bfloat16) for m, n in shapes] == before
+        assert len({L.linear_config(m, n, 32, torch.bfloat16) for m, n in shapes}) == 1
+    assert [L.linear_config(m, n, 32, torch.bfloat16) for m, n in shapes] == before
 
 
 def test_bad_probe_requests_raise():

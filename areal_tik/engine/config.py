@@ -161,7 +161,7 @@ def attention_kv_tile() -> int:
     blocks are generated from this module before that decision."""
     from areal_tik.unified_kernels import _attention_fwd
 
-    return _attention_fwd.default_config().block_n
+    return _attention_fwd.attention_config().block_n
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The attention forward op for the search: workloads, inputs, contract checks, knobs.
 
 Config: the fields of ``_attention_fwd.FwdConfig``; the root is the kernel's default
-(``default_config()``). A config impl launches the kernels' own launchers with the
+(``attention_config()``). A config impl launches the kernels' own launchers with the
 config explicitly (``launch_prefill``; ``attention_decode(config=...)``), so no kernel
 file is touched. Moves change one knob by one step (stages +-1, sub-tiles x2 / /2, the
 unmasked loop, kv_split x2 / /2, warps, tile rows/cols); which of them keep the bits is
@@ -79,7 +79,7 @@ class AttentionOp(Op):
         return (F, A)
 
     def root_config(self) -> dict:
-        return dataclasses.asdict(F.default_config())
+        return dataclasses.asdict(F.attention_config())
 
     def normalise(self, config: dict) -> dict:
         if not isinstance(config, dict):
@@ -211,7 +211,7 @@ class _ContractCase:
 
     def __init__(self, dims, grid, device):
         self.d, self.device = dims, device
-        root = F.default_config()
+        root = F.attention_config()
         # GPU: 4500 tokens cross four 1024 splits; tiny: 40 tokens cross 32-token splits.
         self.lengths = (4500, 1000, 77) if grid == "h200" else (40, 9, 3)
         self.pad = 5

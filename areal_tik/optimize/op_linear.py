@@ -2,9 +2,9 @@
 
 Config: {group key: TileConfig fields}, where a group is one weight shape in one row
 bucket of ``linear._GPU_BUCKETS`` (key "b<max_rows>:<N>x<K>", "binf" for the last
-bucket); groups without an entry use the kernel's own ``select_config``. The root config
+bucket); groups without an entry use the kernel's own ``linear_config``. The root config
 is {} (the kernel's table as it stands). A knob move sets one group to another geometry
-from ``linear.geometry_variants`` (same BLOCK_K); the contract checks, not the variant
+from ``linear.linear_candidates`` (same BLOCK_K); the contract checks, not the variant
 list, decide whether its bits are the root's.
 """
 from __future__ import annotations
@@ -147,7 +147,7 @@ class LinearOp(Op):
         cfg = impl.tile(*x.shape[:1], *weight.shape)
         if cfg is None:
             sms = L._device_info(x.device.index or 0)[1] if x.is_cuda else L._REFERENCE_SMS
-            cfg = L.select_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, tma=tma, sms=sms)
+            cfg = L.linear_config(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, tma=tma, sms=sms)
         kernel = "_linear_fwd_persistent_kernel" if cfg.persistent and tma else "_linear_fwd_kernel"
         return [(kernel, {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                           "GROUP_M": cfg.group_m, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})]
@@ -157,10 +157,10 @@ class LinearOp(Op):
         # Variant-major order: one geometry (one compile) across all groups before the
         # next, so a budget cut leaves whole geometries untried, not whole groups.
         moves = []
-        for cfg in L.geometry_variants(torch.bfloat16):
+        for cfg in L.linear_candidates(torch.bfloat16):
             for w in self.workloads(self.grid):
                 m, n, k = w.params["m"], w.params["n"], w.params["k"]
-                current = impl.tile(m, n, k) or L.select_config(m, n, k, torch.bfloat16)
+                current = impl.tile(m, n, k) or L.linear_config(m, n, k, torch.bfloat16)
                 if cfg == current or not self._plausible(cfg, m):
                     continue
                 move = {group_key(m, n, k): dataclasses.asdict(cfg)}

@@ -1,7 +1,7 @@
 """The fused log-prob op for the search (LM head + log-softmax + gather, forward).
 
-Config: {"<V>x<H>": ``logprob._Tiles`` fields}; keys absent use the kernel's
-``_tiles_for(V, H, dtype)``, so the root is {}. The kernel's documentation says the
+Config: {"<V>x<H>": ``logprob.LogprobConfig`` fields}; keys absent use the kernel's
+``logprob_config(V, H, dtype)``, so the root is {}. The kernel's documentation says the
 schedule decides the bits (BLOCK_T, BLOCK_V, BLOCK_K, SPLIT_V fix the MMA and reduction
 layout); moves change one field by one step (warps x2 / /2, stages +-1, GROUP_T x2 / /2,
 BLOCK_V x2 / /2, SPLIT_V x2 / /2) and the contract suite decides which keep them.
@@ -29,7 +29,7 @@ _STEPS = (("num_warps", 2.0), ("num_warps", 0.5), ("num_stages", +1), ("num_stag
 
 
 class LogprobOp(_TableOp):
-    name, module, config_type = "logprob", P, P._Tiles
+    name, module, config_type = "logprob", P, P.LogprobConfig
     kernel_files = ("logprob.py", *_TableOp.kernel_files)
     row_inputs = ("hidden", "targets")
     signatures = ("forward(hidden [T, H] bf16, weight [V, H] bf16, targets [T] int64) -> "
@@ -48,7 +48,7 @@ class LogprobOp(_TableOp):
         return f"{p['v']}x{p['h']}"
 
     def table(self, p):
-        return P._tiles_for(p["v"], p["h"], torch.bfloat16)
+        return P.logprob_config(p["v"], p["h"], torch.bfloat16)
 
     def candidates(self, p):
         base, out = self.table(p), []

@@ -68,7 +68,7 @@ def _row_counts(max_rows: int) -> list[int]:
 def _row_mismatches(ops, x, w, rows) -> list[str]:
     base = ops.linear(x, w)
     (m_max, k), n = x.shape, w.shape[0]
-    return [f"rows {m} vs {m_max} (N={n}, K={k}, {m} rows take {linear_kernels.select_config(m, n, k, _DTYPE)})"
+    return [f"rows {m} vs {m_max} (N={n}, K={k}, {m} rows take {linear_kernels.linear_config(m, n, k, _DTYPE)})"
             for m in rows if not _bits_equal(ops.linear(x[:m], w), base[:m])]
 
 
@@ -76,7 +76,7 @@ def probe_linear(ops, device, sizes: ProbeSizes) -> list[Check]:
     """Row counts through ``ops.linear``; every table/fixed config through the kernel; when
     the row counts disagree, the row counts again with linear pinned to its fixed tile."""
     rows, bad_rows, bad_cfgs, bad_pinned = _row_counts(sizes.max_rows), [], [], []
-    configs = linear_kernels.geometry_variants(_DTYPE, candidates=False)
+    configs = linear_kernels.linear_candidates(_DTYPE, candidates=False)
     gen = torch.Generator(device="cpu").manual_seed(0)
     problems = []
     for n, k in sizes.linear_shapes:
@@ -273,6 +273,6 @@ class LinearPin:
 
 
 def pin_linear_tile() -> LinearPin:
-    """Make linear use its one fixed tile for every shape (``select_config`` honours the
+    """Make linear use its one fixed tile for every shape (``linear_config`` honours the
     module's ``FIXED_TILE``); nest-safe, reverted by the handle."""
     return LinearPin()

@@ -44,7 +44,7 @@ INTERP_BWD_CONFIG = BwdConfig(block_m1=16, block_n1=32, block_m2=32, block_n2=16
                               num_warps1=4, num_stages1=1, num_warps2=4, num_stages2=1)
 
 
-def default_bwd_config() -> BwdConfig:
+def attention_bwd_config() -> BwdConfig:
     return INTERP_BWD_CONFIG if EMULATE else GPU_BWD_CONFIG
 
 

@@ -120,7 +120,7 @@ INTERP_CONFIG = FwdConfig(block_m=16, block_n=16, num_warps=4, kv_split=32, stag
 EMULATE = interpreting()
 
 
-def default_config() -> FwdConfig:
+def attention_config() -> FwdConfig:
     return INTERP_CONFIG if EMULATE else GPU_CONFIG
 
 

@@ -155,7 +155,7 @@ def _check_cache(k_cache, v_cache, config: FwdConfig):
 # ----------------------------------------------------------------------------- autograd
 
 
-class _AttentionVarlen(torch.autograd.Function):
+class _AttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, num_seqs, max_seqlen, scale, config, bwd_config):
         need_lse = any(ctx.needs_input_grad[:3])
@@ -200,11 +200,11 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None, *,
     max_seqlen = _check_varlen(q, k, v, cu_seqlens, max_seqlen, validate)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     scale = _scale(softmax_scale, q.shape[-1])
-    config = config or _attention_fwd.default_config()
-    bwd_config = bwd_config or _attention_bwd.default_bwd_config()
+    config = config or _attention_fwd.attention_config()
+    bwd_config = bwd_config or _attention_bwd.attention_bwd_config()
     num_seqs = cu_seqlens.shape[0] - 1
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionVarlen.apply(q, k, v, cu_seqlens, num_seqs, max_seqlen, scale, config,
+        return _AttentionVarlenFunction.apply(q, k, v, cu_seqlens, num_seqs, max_seqlen, scale, config,
                                       bwd_config)
     return _forward(q, k, v, cu_seqlens, num_seqs, max_seqlen, scale, False, config)[0]
 
@@ -255,7 +255,7 @@ def attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_sc
     ``[B, max_blocks]`` int32, ``context_lens`` ``[B]`` int32 (cached positions including
     the current token; 0 gives a zero row). CUDA-graph capturable.
     """
-    config = config or _attention_fwd.default_config()
+    config = config or _attention_fwd.attention_config()
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     _check_cache(k_cache, v_cache, config)
     check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2)
@@ -293,7 +293,7 @@ def attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_t
     int32, ``max_seqlen`` the most query rows of one sequence, ``block_tables``
     ``[S, max_blocks]`` int32, ``query_starts`` ``[S]`` int32. Rows past ``cu[-1]`` get zeros.
     """
-    config = config or _attention_fwd.default_config()
+    config = config or _attention_fwd.attention_config()
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3, allow_empty=True)
     _check_cache(k_cache, v_cache, config)
     for name, t, ndim in (("cu_seqlens", cu_seqlens, 1), ("block_tables", block_tables, 2),

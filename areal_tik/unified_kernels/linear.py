@@ -13,7 +13,7 @@ Geometry varies with the row count and the weight shape, numerics do not. Two ke
 compute the same per-element chain: a tiled kernel (one program per output tile,
 pointer loads) and, for large M on Hopper, a persistent kernel (one program per SM
 looping over tiles, TMA descriptor loads and stores). A row bucket holds a ladder of
-configs; the first whose grid suits this N is used (``select_config``). An element's
+configs; the first whose grid suits this N is used (``linear_config``). An element's
 bits depend only on BLOCK_K, the K-loop order and the MMA instruction family, so every
 GPU bf16 config shares BLOCK_K and is wgmma-eligible (BLOCK_M a multiple of 64, whole
 warpgroups); the GPU contract test (tests/test_linear.py, ``-m gpu``) proves every
@@ -149,7 +149,7 @@ def buckets(dtype: torch.dtype) -> tuple:
     return (_CPU_BUCKETS if interpreting() else _GPU_BUCKETS)[dtype]
 
 
-def geometry_variants(dtype: torch.dtype, candidates: bool = True) -> tuple:
+def linear_candidates(dtype: torch.dtype, candidates: bool = True) -> tuple:
     """Every config that must give identical bits for ``dtype``: table, fixed, candidates."""
     if interpreting():
         table, fixed, extra = _CPU_BUCKETS, _CPU_FIXED, {dtype: _CPU_CANDIDATES}
@@ -160,7 +160,7 @@ def geometry_variants(dtype: torch.dtype, candidates: bool = True) -> tuple:
     return tuple(dict.fromkeys(configs))
 
 
-def select_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
+def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
                   sms: int | None = None) -> TileConfig:
     """Launch config for ``rows`` rows of a ``[n, k]`` weight: the bucket's ladder, or the fixed tile.
 
@@ -403,7 +403,7 @@ def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     cfg = config
     if cfg is None:
         sms = _device_info(x2d.device.index or 0)[1] if x2d.is_cuda else _REFERENCE_SMS
-        cfg = select_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
+        cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
     out = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     if bias is not None:
         bias = bias.contiguous()

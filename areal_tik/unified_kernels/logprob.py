@@ -211,7 +211,7 @@ def _dz_kernel(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tiles:
+class LogprobConfig:
     """The forward schedule. Fixed per (V, H, dtype): it decides the bits, so it never
     depends on T (one config; a different BLOCK_T could change the MMA/reduction layout)."""
     block_t: int
@@ -226,17 +226,17 @@ class _Tiles:
         assert self.split_v % self.block_v == 0, self
 
 
-def _tiles_for(V: int, H: int, dtype: torch.dtype) -> _Tiles:
+def logprob_config(V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
     if interpreting():  # tiny tiles: interpreted cost grows with tile area
-        return _Tiles(16, 32, 16, 64, 2, 1, 1)
+        return LogprobConfig(16, 32, 16, 64, 2, 1, 1)
     if dtype == torch.float32:  # IEEE fp32 dot: rare (tests), smaller K tile for shared memory
-        return _Tiles(64, 64, 32, 512, 8, 4, 2)
+        return LogprobConfig(64, 64, 32, 512, 8, 4, 2)
     # bf16: 64-row tiles halve the padded MMA work of decode (T <= 64) against 128-row
     # tiles; SPLIT_V = 512 gives ~300 programs for V = 151936 at T = 1; 4 warps and 4
     # stages use 96 KiB of shared memory and ~190 registers (sm_90, no spills), so two
     # programs share an SM; GROUP_T = 16 keeps a wave's hidden rows and weight slices
     # in L2. eval/bench_logprob.py --sweep times the alternatives.
-    return _Tiles(64, 128, 64, 512, 16, 4, 4)
+    return LogprobConfig(64, 128, 64, 512, 16, 4, 4)
 
 
 _COMBINE_BLOCK = 128
@@ -248,7 +248,7 @@ def _forward(hidden, weight, targets, temperature, entropy, write_logits, tiles=
     """Launch both kernels; returns (logprob | None, entropy | None, lse, logits | None)."""
     T, H = hidden.shape
     V = weight.shape[0]
-    tiles = tiles or _tiles_for(V, H, weight.dtype)
+    tiles = tiles or logprob_config(V, H, weight.dtype)
     n_splits = triton.cdiv(V, tiles.split_v)
     dev = hidden.device
     has_t = targets is not None
@@ -343,7 +343,7 @@ def _backward_chunks(hidden, weight, targets, temperature, lse, ent, g_lp, g_ent
         del logits, dz  # free before the next chunk allocates
 
 
-class _TokenLogprobs(torch.autograd.Function):
+class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, return_entropy):
         lp, ent, lse, _ = _forward(hidden, weight, targets, temperature, return_entropy, False)
@@ -394,7 +394,7 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, return_entropy=Fals
     targets = _check_targets(targets, hidden.shape[0])
     check_same_device(hidden=hidden, weight=weight, targets=targets)
     temperature = check_positive_float("temperature", temperature)
-    return _TokenLogprobs.apply(hidden, weight, targets, temperature, bool(return_entropy))
+    return _TokenLogprobsFunction.apply(hidden, weight, targets, temperature, bool(return_entropy))
 
 
 def lm_head_logits_lse(hidden, weight, temperature=1.0):

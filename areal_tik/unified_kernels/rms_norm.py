@@ -317,7 +317,7 @@ def _backward(x, d_normed, d_summed, weight, eps):
 # ----------------------------------------------------------------------------- autograd
 
 
-class _RMSNormFn(torch.autograd.Function):
+class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
         normed, summed = _forward(x, residual, weight, eps)
@@ -387,7 +387,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """
     eps = _check(x, None, weight, eps)
     if _needs_autograd(x, None, weight):
-        return _RMSNormFn.apply(x, None, weight, eps)
+        return _RMSNormFunction.apply(x, None, weight, eps)
     return _forward(x, None, weight, eps)[0]
 
 
@@ -399,5 +399,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """
     eps = _check(x, residual, weight, eps)
     if _needs_autograd(x, residual, weight):
-        return _RMSNormFn.apply(x, residual, weight, eps)
+        return _RMSNormFunction.apply(x, residual, weight, eps)
     return _forward(x, residual, weight, eps)

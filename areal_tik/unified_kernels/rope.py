@@ -202,7 +202,7 @@ def _launch(q, k, positions, cos, sin, backward: bool, config: RopeConfig | None
 # ----------------------------------------------------------------------------- autograd
 
 
-class _RopeFn(torch.autograd.Function):
+class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, positions, cos, sin):
         ctx.save_for_backward(positions, cos, sin)
@@ -299,7 +299,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
     """
     _check(q, k, positions, cos, sin)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RopeFn.apply(q, k, positions, cos, sin)
+        return _RopeFunction.apply(q, k, positions, cos, sin)
     return _launch(q, k, positions, cos, sin, backward=False)
 
 

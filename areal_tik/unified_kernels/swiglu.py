@@ -154,7 +154,7 @@ def _backward(gate_up: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- autograd
 
 
-class _SiluMulFn(torch.autograd.Function):
+class _SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
         ctx.save_for_backward(gate_up)
@@ -179,5 +179,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
             raise ValueError(f"gate_up must be [..., 2I] with an even last dim, got shape {tuple(gate_up.shape)}")
     if torch.is_grad_enabled() and gate_up.requires_grad:
-        return _SiluMulFn.apply(gate_up)
+        return _SiluMulFunction.apply(gate_up)
     return _forward(gate_up)

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ._common import FLOAT_DTYPES, interpreting
-from ._attention_fwd import default_config as _attention_config
+from ._attention_fwd import attention_config as _attention_config
 from .attention import attention_decode, attention_paged_prefill, attention_varlen, store_kv_cache
 
 # The op modules (the package attributes ``linear`` and ``rms_norm`` are the functions).
@@ -74,7 +74,7 @@ def linear_row_variants(n: int, k: int, dtype: torch.dtype, max_rows: int, tma: 
     ``[1, max_rows]``: a variant is (tile config, rows < BLOCK_M), all the key sees of M."""
     variants: dict = {}
     for rows in range(1, max_rows + 1):
-        cfg = _linear.select_config(rows, n, k, dtype, tma=tma)
+        cfg = _linear.linear_config(rows, n, k, dtype, tma=tma)
         variants.setdefault((cfg, rows < cfg.block_m), rows)
     return sorted(variants.values())
 
