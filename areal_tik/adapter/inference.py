@@ -63,6 +63,10 @@ def build_llm(engine_config, model_path: str, dtype: torch.dtype, kernels: str, 
     return LLM(model, engine_config)
 
 
+class EngineAbortedError(RuntimeError):
+    """A generation the in-process engine aborted (closed, or the request cancelled)."""
+
+
 class TrainerFacingEngine(RemoteInfEngine):
     """What AReaL's engine classes (``RemoteSGLangEngine``) add to ``RemoteInfEngine`` for
     the trainer: stats export and the perf tracer; and trajectories that carry their
@@ -135,7 +139,14 @@ class TikInferenceEngine(TrainerFacingEngine):
         out = await asyncio.wrap_future(self.llm.submit(list(req.input_ids), params))
         latency = time.perf_counter() - start
         exactness.record(out.logprob_temperature, out.logprobs_match_sampling)
-        stop_reason = "length" if out.finish_reason == "abort" else out.finish_reason
+        if out.finish_reason == "abort":
+            # The in-process engine aborts a request only when it is closed or the request
+            # was cancelled: an interrupted trajectory must not become an ordinary sample
+            # (it used to be reported as "length").
+            raise EngineAbortedError(
+                f"the areal-tik engine aborted this request after {len(out.token_ids)} tokens "
+                "(engine closed or request cancelled)")
+        stop_reason = out.finish_reason
         return ModelResponse(
             input_tokens=list(req.input_ids), output_tokens=list(out.token_ids),
             output_logprobs=list(out.logprobs), output_versions=list(out.versions),
