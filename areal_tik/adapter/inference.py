@@ -63,6 +63,18 @@ def build_llm(engine_config, model_path: str, dtype: torch.dtype, kernels: str, 
     return LLM(model, engine_config)
 
 
+def prefix_cache_metrics(current: dict, previous: dict) -> dict[str, float]:
+    """``tik/*`` prefix-cache metrics since the previous export (the engine's counters are
+    cumulative): prompt tokens whose K/V came from the cache (prefill tokens saved), the
+    admissions that hit, their share of the admitted prompt tokens, evictions."""
+    delta = {key: current.get(key, 0) - previous.get(key, 0)
+             for key in ("queries", "query_tokens", "hits", "hit_tokens", "evictions", "resets")}
+    return {"tik/prefix_queries": float(delta["queries"]), "tik/prefix_hits": float(delta["hits"]),
+            "tik/prefill_tokens_saved": float(delta["hit_tokens"]),
+            "tik/prefix_hit_rate": delta["hit_tokens"] / max(delta["query_tokens"], 1),
+            "tik/prefix_evictions": float(delta["evictions"]), "tik/prefix_resets": float(delta["resets"])}
+
+
 class EngineAbortedError(RuntimeError):
     """A generation the in-process engine aborted (closed, or the request cancelled)."""
 
@@ -126,6 +138,14 @@ class TikInferenceEngine(TrainerFacingEngine):
         super().destroy()
         if self._owns_llm and self.llm is not None:
             self.llm.close()
+
+    def export_stats(self) -> dict[str, float]:
+        stats = super().export_stats()
+        if self.llm is not None and self.llm.config.enable_prefix_caching:
+            current = self.llm.prefix_cache_stats
+            stats.update(prefix_cache_metrics(current, getattr(self, "_prefix_seen", {})))
+            self._prefix_seen = current
+        return stats
 
     # ------------------------------------------------------------------ generation
 

@@ -24,7 +24,7 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
   ``LLM.update_weights``, once they cover every tensor of the model: no token is ever
   sampled from half-updated weights, and a bucket of another version drops what was
   staged (a failed partial update is never completed by its old tensors under a new tag).
-- ``GET /health`` (``{"status", "paused", "kernels"}``), ``GET /get_weight_version``
+- ``GET /health`` (``{"status", "paused", "kernels", "prefix_cache"}``), ``GET /get_weight_version``
   (``{"weight_version": int}``).
 
 ``areal-tik serve --model <path> --port N`` serves a checkpoint; the engine flags are
@@ -148,7 +148,8 @@ class TikServer:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "paused": self.llm.paused,
-                                  "kernels": getattr(self.llm.model, "kernels", None)})
+                                  "kernels": getattr(self.llm.model, "kernels", None),
+                                  "prefix_cache": self.llm.prefix_cache_stats})
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.llm.version})
