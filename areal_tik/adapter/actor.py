@@ -135,9 +135,29 @@ class TikFSDPPPOActor(FSDPPPOActor):
         self.config.skip_recompute_while(lambda: self.old_logprobs.reuse_active)
         self.tik_refuse(refusals)
         if self.tik_model is not None:
+            self._warm_training_kernels()
             logger.info("areal-tik: actor forward runs %r; a differing bit in an audit or a first "
                         "minibatch: %s (actor.tik_on_mismatch, tik/on_mismatch=%d)", self.tik_model,
                         state.on_mismatch, REACTIONS.index(state.on_mismatch))
+
+    def _warm_training_kernels(self) -> None:
+        """Compile every unified-kernel variant the training forward and backward will
+        launch, up to one micro-batch of tokens, before the first step (on CUDA; the
+        interpreter compiles nothing). Row counts do not enter the kernels' keys, so no
+        later step compiles (bench_train: 0 JIT compiles after this on the H200)."""
+        if self.tik_model.device.type != "cuda" or self.config.tik_kernels != "unified":
+            return
+        import time
+
+        from areal_tik.engine.model_runner import warmup_shapes
+        from areal_tik.unified_kernels import warmup
+
+        max_rows = getattr(self.config.mb_spec, "max_tokens_per_mb", None) or 16384
+        start = time.perf_counter()
+        counts = warmup(warmup_shapes(self.tik_model), max_rows=int(max_rows), device=self.tik_model.device,
+                        training=True, sampling=False)
+        logger.info("areal-tik: training kernels compiled for up to %d tokens in %.1f s (%s)",
+                    max_rows, time.perf_counter() - start, counts)
 
     def tik_refuse(self, reasons: list[str]) -> None:
         """Add config-level reasons why reuse would not be exact; logs the refusal."""
