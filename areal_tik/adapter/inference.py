@@ -26,6 +26,7 @@ from areal.utils import logging as areal_logging
 from areal.utils import perf_tracer, stats_tracker
 
 from . import exactness
+from .heartbeat import RolloutHeartbeat
 from .config import ColocatedEngineConfig
 from .log import logger
 from .sampling import sampling_params
@@ -132,10 +133,13 @@ class TikInferenceEngine(TrainerFacingEngine):
             self.llm = build_llm(*self._build_args)
         self.workflow_executor = WorkflowExecutor(config=self.config, inference_engine=self)
         self.workflow_executor.initialize(logger=self.logger, train_data_parallel_size=train_data_parallel_size)
+        self.heartbeat = RolloutHeartbeat(self.logger.info)
         self._initialized = True
 
     def destroy(self):
         super().destroy()
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.close()
         if self._owns_llm and self.llm is not None:
             self.llm.close()
 
@@ -156,7 +160,8 @@ class TikInferenceEngine(TrainerFacingEngine):
         while self.workflow_executor.is_paused():
             await asyncio.sleep(0.05)
         start = time.perf_counter()
-        out = await asyncio.wrap_future(self.llm.submit(list(req.input_ids), params))
+        with self.heartbeat.track():
+            out = await asyncio.wrap_future(self.llm.submit(list(req.input_ids), params))
         latency = time.perf_counter() - start
         exactness.record(out.logprob_temperature, out.logprobs_match_sampling)
         if out.finish_reason == "abort":
