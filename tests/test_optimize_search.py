@@ -39,7 +39,9 @@ def test_a_bit_changing_attention_knob_is_closed_and_not_proposed_again(tmp_path
     ev = evaluator.Evaluator(run, rounds=1)
     search = Mechanical(run, ev, SearchConfig(budget_s=60), log=_quiet)
     root = run.get("candidates", "root")
-    split = root.config["kv_split"] // 2  # the tiny contract case's 40-token rows cross it
+    # doubled: the tiny contract case's 40-token rows cross the root's split, not this one
+    # (halving it is refused outright now: prefill rows per program must divide kv_split)
+    split = root.config["kv_split"] * 2
     cand = evaluator.propose(run, ev.op, delta={"kv_split": split}, proposer="mechanical")
     decode = [w for w in ev.workloads if w.name == "decode.b1.c40"]
     assert search._screen(cand, root, decode, 0) is None
