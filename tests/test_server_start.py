@@ -25,13 +25,13 @@ HALF_TILE = attention_kv_tile() // 2
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dtype", "float16"], "areal-tik serve: --dtype float16 is not served; use one of ('bfloat16', 'float32')"),
+    (["--dtype", "float16"], "areal-tik: error: --dtype float16 is not served; use one of ('bfloat16', 'float32')"),
     (["--kv-block-size", str(HALF_TILE)],
-     f"areal-tik serve: bad engine option: kv_block_size={HALF_TILE} is not a multiple"),
+     f"areal-tik: error: bad engine option: kv_block_size={HALF_TILE} is not a multiple"),
 ])
 def test_bad_options_are_refused_at_start_in_one_line(args, message):
     done = serve(*args)  # refused before the (missing) model is looked at
-    assert done.returncode == 1
+    assert done.returncode == 2  # a bad command line, as argparse answers it
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and message in done.stderr
 
 

@@ -76,10 +76,4 @@ def validate_serve(args) -> None:
         check_model_dir(args.model)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535 (0: an ephemeral port), got {args.port}")
-    from areal_tik.commands.flags import dataclass_from_args
-    from areal_tik.engine.config import EngineConfig
-
-    try:
-        dataclass_from_args(EngineConfig, args)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"bad engine option: {exc}") from None
+    # the engine options (and --dtype) are checked by the server's own check_args first

@@ -370,17 +370,19 @@ SERVED_DTYPES = ("bfloat16", "float32")  # those generate/check and the trainer'
 
 
 def check_args(args) -> None:
-    """Refuse, before any model is loaded, what would fail later: one line (SystemExit)."""
+    """Refuse, before any model is loaded, the options that would fail later (UsageError:
+    ``areal-tik`` answers it in one line)."""
     from areal_tik.commands.flags import dataclass_from_args
     from areal_tik.engine import EngineConfig
+    from areal_tik.errors import UsageError
 
     if args.dtype not in SERVED_DTYPES:
-        raise SystemExit(f"areal-tik serve: --dtype {args.dtype} is not served; use one of {SERVED_DTYPES} "
+        raise UsageError(f"--dtype {args.dtype} is not served; use one of {SERVED_DTYPES} "
                          "(the bitwise contract is verified in those)")
     try:
         dataclass_from_args(EngineConfig, args).check_kernels(args.kernels)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"areal-tik serve: bad engine option: {exc}") from None
+        raise UsageError(f"bad engine option: {exc}") from None
 
 
 def build_llm(args):
@@ -401,8 +403,10 @@ def build_llm(args):
 
 
 def validate(args) -> None:
+    """Everything ``serve`` can check before loading: its options, then device, model, port."""
     from .run_checks import validate_serve
 
+    check_args(args)
     validate_serve(args)
 
 
