@@ -58,7 +58,13 @@ def qualification_refusals(tik_model) -> list[str]:
     if verdict.passed:
         logger.info("areal-tik: %s (%s)", verdict.message(), source)
         return []
-    return [f"{verdict.message()} (failing: {', '.join(verdict.failing_ops)}; {source}; "
+    pinned = ""
+    if verdict.pin_linear:  # linear's per-shape geometry disagreed here: one tile for every shape
+        from areal_tik.qualify import pin_linear_tile
+
+        pin_linear_tile()  # for the whole run (trainer and in-process engine share the process)
+        pinned = "; linear pinned to its one fixed tile for this run"
+    return [f"{verdict.message()} (failing: {', '.join(verdict.failing_ops)}; {source}{pinned}; "
             "python -m areal_tik.qualify --refresh probes again)"]
 
 
