@@ -10,3 +10,9 @@ from __future__ import annotations
 
 class UsageError(ValueError):
     """A user's input is wrong; the message says which value and what would be accepted."""
+
+
+def at_least(flag: str, value, minimum) -> None:
+    """``value`` (None: not given) is at least ``minimum``; else the one-line answer."""
+    if value is not None and value < minimum:
+        raise UsageError(f"{flag} must be >= {minimum}, got {value}")

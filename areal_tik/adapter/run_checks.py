@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from areal_tik.errors import UsageError
+from areal_tik.errors import UsageError, at_least
 
 
 def check_file(flag: str, path: str, suffixes: tuple[str, ...]) -> None:
@@ -33,11 +33,6 @@ def check_task(name: str) -> None:
                          f"({len(DATASETS)} known, e.g. basic_arithmetic, chain_sum)")
 
 
-def check_positive(flag: str, value) -> None:
-    if value is not None and value < 1:
-        raise UsageError(f"{flag} must be >= 1, got {value}")
-
-
 def config_path(script_args: list[str]) -> str | None:
     """The value of ``--config`` in an AReaL script's arguments (either spelling)."""
     for i, arg in enumerate(script_args):
@@ -52,7 +47,7 @@ def config_path(script_args: list[str]) -> str | None:
 
 def validate_demo(args) -> None:
     for flag in ("steps", "batch_size", "n_samples", "max_new_tokens"):
-        check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
+        at_least("--" + flag.replace("_", "-"), getattr(args, flag), 1)
     check_task(args.task)
     if args.model is not None:
         check_model_dir(args.model)

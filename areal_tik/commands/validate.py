@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from areal_tik.errors import UsageError
+from areal_tik.errors import UsageError, at_least
 
 # Measured on a 2-core CPU under the Triton interpreter (tiny-qwen3, 41k parameters,
 # unified kernels): about 6 s per decoded token (12 tokens in 79 s), taken as proportional
@@ -57,19 +57,14 @@ def check_model(name: str) -> None:
         raise UsageError(f"--model {name!r}: a file that is not .gguf; expected a .gguf file or a checkpoint directory")
 
 
-def _at_least(flag: str, value, minimum) -> None:
-    if value is not None and value < minimum:
-        raise UsageError(f"{flag} must be >= {minimum}, got {value}")
-
-
 def check_numbers(args) -> None:
     lo, hi = args.prompt_len
     if lo < 1 or lo > hi:
         raise UsageError(f"--prompt-len {lo} {hi}: expected MIN MAX with 1 <= MIN <= MAX")
-    _at_least("--num-prompts", args.num_prompts, 0)
-    _at_least("--max-new-tokens", args.max_new_tokens, 1)
-    _at_least("--top-k", args.top_k, 0)
-    _at_least("--micro-batch-tokens", getattr(args, "micro_batch_tokens", None), 1)
+    at_least("--num-prompts", args.num_prompts, 0)
+    at_least("--max-new-tokens", args.max_new_tokens, 1)
+    at_least("--top-k", args.top_k, 0)
+    at_least("--micro-batch-tokens", getattr(args, "micro_batch_tokens", None), 1)
     if not (args.prompt or args.prompt_ids or args.prompts_file or args.num_prompts):
         raise UsageError("no prompts: give --prompt, --prompt-ids, --prompts-file or --num-prompts")
     if args.prompts_file and not Path(args.prompts_file).is_file():
