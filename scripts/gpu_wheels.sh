@@ -2,7 +2,7 @@
 # Builds the parts that carry AReaL's runtime dependencies to a GPU machine without a
 # package index (see eval/gpu_session.sh: "stage" copies one part per call, "deps"
 # installs them). Run from the repo root on a machine with pip access:
-#   bash scripts/gpu_wheels.sh [OUTDIR]    -> OUTDIR/part00, part01, ... (60 MB each)
+#   bash scripts/gpu_wheels.sh [OUTDIR]    -> OUTDIR/part00, part01, ... (50 MiB each: a call carries at most 64 MiB, the working tree included)
 # Wheels are cp312 manylinux x86-64 (the GPU image's Python); a package without such a
 # wheel (pycosat) travels as its sdist and is built there.
 set -euo pipefail
@@ -27,6 +27,6 @@ grep -v '^#' requirements/gpu-carry.txt | while read -r req; do
   rm -rf "$WORK/src" "$WORK/pure"
 done
 mkdir -p "$OUTDIR"
-tar cf - -C "$WORK" . | split -b 60M -d - "$OUTDIR/part"
+tar cf - -C "$WORK" . | split -b 50M -d - "$OUTDIR/part"
 ls -la "$OUTDIR"
 rm -rf "$WORK"
