@@ -26,6 +26,7 @@ W = importlib.import_module("areal_tik.unified_kernels.warmup")
 F = importlib.import_module("areal_tik.unified_kernels._attention_fwd")
 
 MODULES = ("linear", "logprob", "rms_norm", "swiglu", "rope", "_attention_fwd", "_attention_bwd", "attention")
+ENGINE_MODULES = ("areal_tik.engine.sampler",)  # rollout-only kernels
 ROWS = (1, 2, 15, 16, 17, 32, 33)
 _JIT_OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline",
                 "repr", "launch_metadata")
@@ -35,8 +36,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # launches are intercep
 
 
 def _kernels():
-    for name in MODULES:
-        module = importlib.import_module(f"areal_tik.unified_kernels.{name}")
+    for name in MODULES + ENGINE_MODULES:
+        module = importlib.import_module(name if "." in name else f"areal_tik.unified_kernels.{name}")
         for value in vars(module).values():
             if isinstance(value, (InterpretedFunction, JITFunction)):
                 yield value
@@ -113,6 +114,20 @@ def assert_same_keys(launches, values, step) -> list:
     for value, keys in per_value.items():
         assert keys == first, f"{value} launches other keys than {values[0]}: {set(keys) ^ set(first)}"
     return first
+
+
+def test_sampler_keys_do_not_depend_on_batch_size(launches):
+    """The engine passes keys and counters as the rows of one [2, B] tensor (the second row
+    is 16-byte aligned only for even B); bf16 logits and filtered fp32 scores."""
+    from areal_tik.engine import sampler
+
+    def step(rows):  # the kernel launch of CUDA (the launch is intercepted: it does not run)
+        keys = torch.zeros(2, rows, dtype=torch.int64, device=DEVICE)
+        sampler.gumbel_argmax(_z(rows, 300), keys[0], keys[1], 0.7, use_kernel=True)
+        sampler.gumbel_argmax(_z(rows, 300, dtype=torch.float32), keys[0], keys[1], use_kernel=True)
+
+    first = assert_same_keys(launches, ROWS, step)
+    assert {key[0] for key in first} == {"_gumbel_argmax_kernel"} and len(first) == 2
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])

@@ -126,6 +126,18 @@ def test_reuse_is_refused_per_row_where_the_temperature_differs():
     assert stats["audited_tokens"] == 4 and stats["audit_passed"] == 1.0
 
 
+def test_refusal_masks_live_on_the_batch_device():
+    """On a GPU trainer the batch is on the GPU while the stamped temperature may come from
+    the host: the masks follow ``input_ids`` so they combine with the batch's own masks.
+    ("meta" stands in for a second device here.)"""
+    traj = stamped(trajectory(2, [3, 3], seed=1), 1.0)
+    traj = {k: v.to("meta") if k != exactness.TEMPERATURE_KEY and torch.is_tensor(v) else v
+            for k, v in traj.items()}
+    missing, other = exactness.row_refusals(traj, 1.0)
+    assert missing.device.type == other.device.type == "meta"
+    assert (reuse.scored_mask(traj) & (missing | other).reshape(-1, 1)).device.type == "meta"
+
+
 class Records(logging.Handler):
     def __init__(self):
         super().__init__()

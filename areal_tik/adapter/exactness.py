@@ -81,18 +81,18 @@ class ExactnessWorkflowExecutor(WorkflowExecutor):
 
 
 def row_refusals(traj: dict, actor_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bool ``[B]`` pair ``(missing, other_temperature)``: rows whose reuse is refused
+    """Bool ``[B]`` pair ``(missing, other_temperature)`` on the batch's device: rows whose reuse is refused
     because the trajectory lacks ``KEYS``, or because its log-prob temperature is not
     ``actor_temperature`` (NaN, a mixed episode, included)."""
-    rows = traj["input_ids"].shape[0]
-    no = torch.zeros(rows, dtype=torch.bool)
+    rows, device = traj["input_ids"].shape[0], traj["input_ids"].device  # a GPU trainer's batch is on the GPU
+    no = torch.zeros(rows, dtype=torch.bool, device=device)
     temperature = traj.get(TEMPERATURE_KEY)
     if temperature is None or traj.get(MATCH_KEY) is None:
         return ~no, no
-    temperature = torch.as_tensor(temperature).reshape(-1).float()
+    temperature = torch.as_tensor(temperature).reshape(-1).float().to(device)
     if temperature.shape[0] != rows:
         return ~no, no  # malformed: treated as missing, never guessed
-    return no, temperature != torch.tensor(float(actor_temperature), dtype=torch.float32)
+    return no, temperature != float(actor_temperature)
 
 
 def truncated_rows(traj: dict) -> int:

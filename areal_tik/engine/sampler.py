@@ -123,7 +123,9 @@ def _exponential(n):
     return tl.where(v < 0.0625, series, -tl.log(u))
 
 
-@triton.jit
+# keys/counters arrive as rows of one [2, B] int64 tensor: the second row is 16-byte aligned
+# only for even B, so their alignment is not part of the kernel key (scalar loads: no cost).
+@triton.jit(do_not_specialize=["keys_ptr", "counters_ptr"])
 def _gumbel_argmax_kernel(
     scores_ptr,    # [B, V] bf16 logits or fp32 pre-scaled scores (-inf = filtered out)
     keys_ptr,      # [B] int64 request keys
