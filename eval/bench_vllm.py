@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,9 +59,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="vLLM modes to run")
     parser.add_argument("--no-engine", action="store_true", help="skip the areal-tik column")
     parser.add_argument("--compare-shape", default="64x256", help="the shape whose log-probs are compared")
-    parser.add_argument("--budget-s", type=float, default=150.0,
+    parser.add_argument("--budget-s", type=float, default=100.0,
                         help="timed-run seconds per vLLM mode before it stops starting new shapes")
-    parser.add_argument("--worker-timeout-s", type=float, default=330.0, help="wall clock per vLLM process")
+    parser.add_argument("--worker-timeout-s", type=float, default=240.0, help="wall clock per vLLM process")
+    parser.add_argument("--total-s", type=float, default=540.0,
+                        help="the whole run's wall clock: vLLM processes are cut to leave --reserve-s")
+    parser.add_argument("--reserve-s", type=float, default=150.0,
+                        help="seconds kept for the areal-tik column and the bit comparison")
     parser.add_argument("--vllm-site", default=os.environ.get("AREAL_TIK_VLLM_SITE"),
                         help="vLLM's site directory (default $AREAL_TIK_VLLM_SITE)")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "areal-tik-bench-vllm"),
@@ -75,8 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(str(error))
     if args.compare_shape not in args.shapes:
         parser.error(f"--compare-shape {args.compare_shape} is not among --shapes {args.shapes}")
-    if args.budget_s <= 0 or args.worker_timeout_s <= 0:
-        parser.error(f"--budget-s and --worker-timeout-s must be > 0, got {args.budget_s}, {args.worker_timeout_s}")
+    for name in ("budget_s", "worker_timeout_s", "total_s", "reserve_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)!r}")
     return args
 
 
@@ -95,8 +101,11 @@ def prepare_checkpoint(model_name: str, workdir: Path) -> Path:
     return path
 
 
-def run_vllm(mode: str, spec: dict, args) -> dict:
-    """One vLLM mode in its own process on vLLM's site directory; its result dict."""
+def run_vllm(mode: str, spec: dict, args, timeout_s: float | None = None) -> dict:
+    """One vLLM mode in its own process on vLLM's site directory; its result dict. The
+    process is stopped after ``timeout_s`` (default --worker-timeout-s); the shapes it
+    finished by then are kept."""
+    timeout_s = args.worker_timeout_s if timeout_s is None else timeout_s
     site = args.vllm_site
     if not site or not Path(site).is_dir():
         return {"mode": mode, "error": f"vLLM site directory {site!r} not found (gpu_session.sh vllm_deps "
@@ -110,13 +119,21 @@ def run_vllm(mode: str, spec: dict, args) -> dict:
     if mode == "batch_invariant":
         env["VLLM_BATCH_INVARIANT"] = "1"
     note = None
+    # Its own process group: vLLM's engine core is a child process that holds the GPU memory,
+    # so a stop at the limit ends the whole group, not only the front end.
+    proc = subprocess.Popen([sys.executable, "-m", "eval.vllm_generate", str(spec_path), str(out)],
+                            cwd=REPO, env=env, start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, "-m", "eval.vllm_generate", str(spec_path), str(out)],
-                              cwd=REPO, env=env, timeout=args.worker_timeout_s)
-        if proc.returncode:
+        if proc.wait(timeout=timeout_s):
             note = f"exit status {proc.returncode}"
     except subprocess.TimeoutExpired:
-        note = f"stopped at the {args.worker_timeout_s:.0f} s limit"
+        note = f"stopped at the {timeout_s:.0f} s limit"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of a finished run, or the stopped one
+        except ProcessLookupError:
+            pass
+        proc.wait()
     if not out.is_file():
         return {"mode": mode, "error": f"no result ({note or 'no file written'})"}
     result = json.loads(out.read_text())
@@ -230,6 +247,7 @@ def csv_rows(report: dict, info: dict) -> list[dict]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    deadline = time.monotonic() + args.total_s
     if args.from_json:
         print("\n".join(table(json.loads(Path(args.from_json).read_text()))))
         return
@@ -251,8 +269,13 @@ def main(argv=None) -> None:
     info = run_info("cuda")
     report = {"model": args.model, "device": info["device"], "prompt_len": PROMPT_LEN,
               "shapes": args.shapes, "results": {}}
-    for mode in args.modes:  # before this process takes GPU memory: vLLM sizes its KV cache from what is free
-        report["results"][LABEL[mode]] = run_vllm(mode, spec, args)
+    for i, mode in enumerate(args.modes):  # before this process takes GPU memory: vLLM sizes its KV cache from what is free
+        left = deadline - time.monotonic() - (0 if args.no_engine else args.reserve_s)
+        timeout = min(args.worker_timeout_s, left / (len(args.modes) - i))  # the rest shared by the modes left
+        if timeout < 30:
+            report["results"][LABEL[mode]] = {"mode": mode, "error": f"no time left ({left:.0f} s) in --total-s"}
+            continue
+        report["results"][LABEL[mode]] = run_vllm(mode, spec, args, timeout)
     hf_model = load_hf_model(checkpoint, dtype=torch.bfloat16, device="cuda")
     if not args.no_engine:
         report["results"]["areal_tik"] = run_engine(hf_model, args.shapes, prompts, args.compare_shape)

@@ -76,7 +76,8 @@ for s in $STAGES; do case $s in
           PYTHONPATH=$KSITE:$KSITE/nvidia_cutlass_dsl/dsl_packages python3 -c 'import liger_kernel.ops.fused_linear_cross_entropy, cutlass, flash_attn.cute; print(\"liger, cutlass, flash_attn.cute import\")'" ;;
   # vLLM (default and VLLM_BATCH_INVARIANT=1, one process each) beside the areal-tik engine,
   # plus vLLM's log-probs against the unified training forward; one model per call.
-  bench_vllm_*) run "$s" 570 python3 -m eval.bench_vllm --model "${s#bench_vllm_}" --out "$W/csv" ;;
+  # $BENCH_VLLM_ARGS adds flags (e.g. --modes default, --shapes 64x256 256x256).
+  bench_vllm_*) run "$s" 570 python3 -m eval.bench_vllm --model "${s#bench_vllm_}" --out "$W/csv" ${BENCH_VLLM_ARGS:-} ;;
   grpo_server) run grpo_server 420 python3 -m eval.bench_grpo --model smollm2 --modes tik --steps 4 \
                 --tik-engine server --weight-update-mode xccl --audit-every 1 --out "$W/csv" --workdir /tmp/grpo-server ;;
   grpo_smoke) run grpo_smoke 420 python3 -m eval.bench_grpo --model smollm2 --steps 3 --out "$W/csv" --workdir /tmp/grpo-smoke ;;
