@@ -1,6 +1,7 @@
 """vLLM's side of eval/bench_vllm.py: one mode (default or VLLM_BATCH_INVARIANT=1) per process.
 
     python3 -m eval.vllm_generate SPEC.json RESULT.json
+    python3 -m eval.vllm_generate --check     # imports what offline generation loads
 
 Runs with vLLM's own site directory on PYTHONPATH (vLLM 0.26 needs transformers >= 5.5.3;
 the project's AReaL site has 5.3), so it imports nothing of areal_tik: the prompts come in
@@ -21,6 +22,36 @@ import os
 import sys
 import time
 from pathlib import Path
+
+
+# What LLM(...).generate of a dense bf16 model loads on an H200 (FLASH_ATTN = FA3, or
+# TRITON_ATTN; the batch-invariant layer overrides): a missing wheel shows here, before a run.
+RUNTIME_MODULES = (
+    "vllm.vllm_flash_attn", "vllm.entrypoints.llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
+    "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.v1.sample.sampler",
+    "vllm.v1.attention.backends.flash_attn", "vllm.v1.attention.backends.triton_attn",
+    "vllm.model_executor.models.qwen3", "vllm.model_executor.model_loader.default_loader",
+    "vllm.model_executor.layers.batch_invariant", "vllm.compilation.backends",
+    "vllm.model_executor.warmup.kernel_warmup")
+
+
+def check() -> int:
+    import importlib
+
+    import vllm
+
+    failed = []
+    for name in RUNTIME_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # report every module, then fail
+            failed.append(f"{name}: {type(error).__name__}: {error}")
+    fa = sys.modules.get("vllm.vllm_flash_attn")
+    print(f"vllm {vllm.__version__}: FA3 {getattr(fa, 'FA3_AVAILABLE', None)}, FA2 {getattr(fa, 'FA2_AVAILABLE', None)} "
+          f"(not carried); {len(RUNTIME_MODULES) - len(failed)}/{len(RUNTIME_MODULES)} runtime modules import")
+    print("\n".join(failed))
+    return 1 if failed else 0
 
 
 def write(path: Path, result: dict) -> None:
@@ -91,8 +122,10 @@ def run(spec: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--check"]:
+        return check()
     if len(argv) != 2:
-        raise SystemExit("usage: python3 -m eval.vllm_generate SPEC.json RESULT.json")
+        raise SystemExit("usage: python3 -m eval.vllm_generate SPEC.json RESULT.json | --check")
     spec, out = json.loads(Path(argv[0]).read_text()), Path(argv[1])
     if spec["mode"] == "batch_invariant" and os.environ.get("VLLM_BATCH_INVARIANT") != "1":
         raise SystemExit("mode batch_invariant needs VLLM_BATCH_INVARIANT=1 in the environment")
