@@ -63,17 +63,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
-    """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops."""
-    model = UnifiedCausalLM.from_hf(hf_model, kernels=kernels)
+def engine_config(shapes) -> EngineConfig:
+    """The engine sized for ``shapes`` ((batch, new_tokens) pairs after PROMPT_LEN-token prompts)."""
     max_bs = max(b for b, _ in shapes)
     max_len = PROMPT_LEN + max(n for _, n in shapes)
     # Every request of a run finishes together, so decode batches are exactly the benchmark
     # batch sizes: capturing only those saves the other buckets' capture time.
-    config = EngineConfig(max_num_seqs=max_bs, max_model_len=max_len, kv_block_size=64,
-                          num_kv_blocks=max_bs * -(-max_len // 64) + 1, cuda_graphs=True,
-                          cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0)
-    with LLM(model, config) as llm:
+    return EngineConfig(max_num_seqs=max_bs, max_model_len=max_len, kv_block_size=64,
+                        num_kv_blocks=max_bs * -(-max_len // 64) + 1, cuda_graphs=True,
+                        cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0)
+
+
+def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
+    """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops."""
+    model = UnifiedCausalLM.from_hf(hf_model, kernels=kernels)
+    with LLM(model, engine_config(shapes)) as llm:
         times = _time_engine(llm, kernels, shapes, vocab)
     llm = model = None  # free the KV cache and CUDA graphs before the next backend
     gc.collect()

