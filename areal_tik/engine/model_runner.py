@@ -16,7 +16,8 @@ import bisect
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from . import sampler
 from .block_manager import SCRATCH_BLOCK, BlockManager
 from .config import EngineConfig
 from .decode_inputs import DecodeInputs
-from .sequence import Sequence, split_step
+from .sequence import Sequence, split_step, step_kind
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,30 @@ class StepResult:
     logprobs: list[float]
 
 
+@dataclass
+class StepCounts:
+    """Steps by kind, and the decode launches by the graph bucket they pad to.
+
+    Kinds: "prefill" (prompt chunks only), "mixed" (prompt chunks and decode rows: chunked
+    prefill), "decode" (decode rows only). ``decode_buckets[(kind, bucket)]`` counts the
+    decode launches of steps of that kind by the bucket the graph plan pads them to (0:
+    above the largest bucket, or no plan, so eager); a planned bucket replays its CUDA
+    graph when one was captured (``ModelRunner.graph_replays``). Chunked prefill must
+    leave a decode-only step exactly where it is without chunks: kind "decode", the
+    bucket of its batch size.
+    """
+
+    prefill: int = 0
+    mixed: int = 0
+    decode: int = 0
+    decode_buckets: Counter = field(default_factory=Counter)
+
+    def add(self, kind: str, bucket: int | None) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if bucket is not None:
+            self.decode_buckets[(kind, bucket)] += 1
+
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig):
         self.model = model
@@ -67,9 +92,14 @@ class ModelRunner:
         self._check_num_blocks(num_blocks)
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        # The graph plan: the decode buckets to capture on a GPU. On CPU nothing is
+        # captured, but the plan still says which bucket a decode batch pads to (what a
+        # GPU would replay), and ``step_counts`` records it.
+        self.graph_sizes: tuple[int, ...] = (
+            tuple(config.cuda_graph_sizes or graph_buckets(config.graph_batch_limit)) if config.cuda_graphs else ())
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._buckets: list[int] = []  # sorted(self.graphs)
         self.graph_replays = 0  # decode steps served by a CUDA graph
+        self.step_counts = StepCounts()
         self.decode_inputs = DecodeInputs(config.max_num_seqs, config.max_blocks_per_seq,
                                           self.block_manager, self.device)
         self._init_result_buffers(config.max_num_seqs)
@@ -221,6 +251,9 @@ class ModelRunner:
         ``timing["launch"]`` / ``["wait"]`` when given."""
         start = time.perf_counter()
         prefill, decode = split_step(seqs)
+        kind = step_kind(prefill, decode)
+        bucket = self.graph_bucket(len(decode)) if decode else None
+        self.step_counts.add(kind, (bucket or 0) if decode else None)
         parts = []
         if prefill:
             hidden = self._prefill(prefill)
@@ -228,7 +261,7 @@ class ModelRunner:
             if done:
                 parts.append(self.sample(hidden, done))
         if decode:
-            hidden = self._decode(decode)
+            hidden = self._decode(decode, bucket)
             parts.append(self.sample(hidden, decode, self.decode_inputs.sample_keys(len(decode))))
         n = sum(p[0].shape[0] for p in parts)
         if 2 * n > self._result_host.numel():  # prefill batches are bounded by max_num_seqs too
@@ -254,15 +287,20 @@ class ModelRunner:
         inputs = self.prepare_prefill(seqs)
         return self.model.prefill(cache=self.kv_cache, **inputs)
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def graph_bucket(self, batch: int) -> int | None:
+        """The planned graph bucket a decode batch of ``batch`` rows pads to (the smallest
+        one that holds it), or None above the largest: the decision to replay, which
+        depends on the batch size alone, never on the step's prefill chunks."""
+        i = bisect.bisect_left(self.graph_sizes, batch)
+        return self.graph_sizes[i] if i < len(self.graph_sizes) else None
+
+    def _decode(self, seqs: list[Sequence], bucket: int | None) -> torch.Tensor:
         batch = len(seqs)
-        i = bisect.bisect_left(self._buckets, batch)
         staging = self.decode_inputs
-        if i == len(self._buckets):
+        if bucket not in self.graphs:  # above the plan, or nothing captured (CPU, failed capture)
             staging.stage(seqs, batch)
             width = max(len(s.block_table) for s in seqs)
             return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width))
-        bucket = self._buckets[i]
         staging.stage(seqs, bucket)  # the graph reads the staging buffer's device views
         self.graphs[bucket].replay()
         self.graph_replays += 1
@@ -317,8 +355,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _capture_graphs(self) -> None:
-        cfg = self.config
-        sizes = cfg.cuda_graph_sizes or graph_buckets(cfg.graph_batch_limit)
+        sizes = self.graph_sizes
         dev = self.device
         self._graph_outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -330,7 +367,6 @@ class ModelRunner:
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {exc}", RuntimeWarning, stacklevel=2)
             self.graphs.clear()
             self._graph_outputs.clear()
-        self._buckets = sorted(self.graphs)
         torch.cuda.synchronize(dev)
 
     def _capture_one(self, bs: int, pool):
