@@ -1,9 +1,7 @@
 """Runs the model for one scheduled step: input preparation, prefill / decode, sampling.
 
-Decode on a GPU replays CUDA graphs captured per batch-size bucket (largest first, one
-shared memory pool); the batch is padded to its bucket with rows that write and read
-only the scratch block 0, and since every op is row-invariant the padding changes no
-bits of the real rows. Prefill and CPU decode run eagerly.
+Decode on a GPU replays CUDA graphs captured per batch-size bucket and block-table width
+(``decode_graphs``); prefill and CPU decode run eagerly.
 
 Per decode step the host fills one persistent buffer in place and sends it with one copy
 (``DecodeInputs``; its device views are the graph inputs), and reads the sampled tokens
@@ -12,10 +10,8 @@ per token.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -25,16 +21,11 @@ import torch
 from . import sampler
 from .block_manager import SCRATCH_BLOCK, BlockManager
 from .config import EngineConfig
+from .decode_graphs import DecodeGraphs, graph_buckets, table_widths
 from .decode_inputs import DecodeInputs
 from .sequence import Sequence, split_step, step_kind
 
 logger = logging.getLogger(__name__)
-
-
-def graph_buckets(max_bs: int) -> list[int]:
-    """Captured decode batch sizes: 1, 2, 4, 8, then multiples of 16, and ``max_bs`` itself."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
-    return sorted(set(sizes + [max_bs]))
 
 
 def warmup_shapes(model):
@@ -92,13 +83,12 @@ class ModelRunner:
         self._check_num_blocks(num_blocks)
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        # The graph plan: the decode buckets to capture on a GPU. On CPU nothing is
-        # captured, but the plan still says which bucket a decode batch pads to (what a
-        # GPU would replay), and ``step_counts`` records it.
-        self.graph_sizes: tuple[int, ...] = (
-            tuple(config.cuda_graph_sizes or graph_buckets(config.graph_batch_limit)) if config.cuda_graphs else ())
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_replays = 0  # decode steps served by a CUDA graph
+        # The graph plan: the decode buckets and table widths to capture on a GPU. On CPU
+        # nothing is captured, but the plan still says which bucket a decode batch pads to
+        # (what a GPU would replay), and ``step_counts`` records it.
+        sizes = tuple(config.cuda_graph_sizes or graph_buckets(config.graph_batch_limit)) if config.cuda_graphs else ()
+        self.decode_graphs = DecodeGraphs(
+            sizes, table_widths(config.max_blocks_per_seq, getattr(model, "kernels", None)))
         self.step_counts = StepCounts()
         self.decode_inputs = DecodeInputs(config.max_num_seqs, config.max_blocks_per_seq,
                                           self.block_manager, self.device)
@@ -287,24 +277,35 @@ class ModelRunner:
         inputs = self.prepare_prefill(seqs)
         return self.model.prefill(cache=self.kv_cache, **inputs)
 
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        return self.decode_graphs.sizes
+
+    @property
+    def graphs(self) -> dict:
+        """The captured decode graphs by (bucket, table width); empty on CPU."""
+        return self.decode_graphs.graphs
+
+    @property
+    def graph_replays(self) -> int:
+        return self.decode_graphs.replays
+
     def graph_bucket(self, batch: int) -> int | None:
         """The planned graph bucket a decode batch of ``batch`` rows pads to (the smallest
         one that holds it), or None above the largest: the decision to replay, which
         depends on the batch size alone, never on the step's prefill chunks."""
-        i = bisect.bisect_left(self.graph_sizes, batch)
-        return self.graph_sizes[i] if i < len(self.graph_sizes) else None
+        return self.decode_graphs.bucket(batch)
 
     def _decode(self, seqs: list[Sequence], bucket: int | None) -> torch.Tensor:
         batch = len(seqs)
         staging = self.decode_inputs
-        if bucket not in self.graphs:  # above the plan, or nothing captured (CPU, failed capture)
+        width = max(len(s.block_table) for s in seqs)
+        key = self.decode_graphs.key(bucket, width)
+        if key is None:  # above the plan, or nothing captured (CPU, failed capture)
             staging.stage(seqs, batch)
-            width = max(len(s.block_table) for s in seqs)
             return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width))
         staging.stage(seqs, bucket)  # the graph reads the staging buffer's device views
-        self.graphs[bucket].replay()
-        self.graph_replays += 1
-        return self._graph_outputs[bucket][:batch]
+        return self.decode_graphs.replay(key, batch)
 
     # ------------------------------------------------------------------ sampling
 
@@ -355,28 +356,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _capture_graphs(self) -> None:
-        sizes = self.graph_sizes
-        dev = self.device
-        self._graph_outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        try:
-            with torch.inference_mode():
-                for bs in reversed(sizes):
-                    pool = self._capture_one(bs, pool)
-        except RuntimeError as exc:  # e.g. an op that syncs or allocates outside the pool
-            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {exc}", RuntimeWarning, stacklevel=2)
-            self.graphs.clear()
-            self._graph_outputs.clear()
-        torch.cuda.synchronize(dev)
-
-    def _capture_one(self, bs: int, pool):
         # The staging buffer holds padding rows here (scratch block only); its device views
         # are the graph's inputs, so a step's one staging copy feeds the replay.
-        inputs = self.decode_inputs.model_inputs(bs)
-        self.model.decode(cache=self.kv_cache, **inputs)  # warm-up: compiles kernels for this shape
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._graph_outputs[bs] = self.model.decode(cache=self.kv_cache, **inputs)
-        self.graphs[bs] = graph
-        return graph.pool() if pool is None else pool
+        def decode(**inputs):
+            return self.model.decode(cache=self.kv_cache, **inputs)
+        self.decode_graphs.capture(decode, self.decode_inputs.model_inputs, self.device)
