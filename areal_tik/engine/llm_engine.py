@@ -99,6 +99,12 @@ class LLM:
         return self.loop.step_seconds
 
     @property
+    def step_counts(self):
+        """``StepCounts``: steps by kind (prefill / mixed / decode) and decode launches by
+        the CUDA-graph bucket they pad to."""
+        return self.runner.step_counts
+
+    @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 

@@ -1,9 +1,7 @@
 """Runs the model for one scheduled step: input preparation, prefill / decode, sampling.
 
-Decode on a GPU replays CUDA graphs captured per batch-size bucket (largest first, one
-shared memory pool); the batch is padded to its bucket with rows that write and read
-only the scratch block 0, and since every op is row-invariant the padding changes no
-bits of the real rows. Prefill and CPU decode run eagerly.
+Decode on a GPU replays CUDA graphs captured per batch-size bucket and block-table width
+(``decode_graphs``); prefill and CPU decode run eagerly.
 
 Per decode step the host fills one persistent buffer in place and sends it with one copy
 (``DecodeInputs``; its device views are the graph inputs), and reads the sampled tokens
@@ -12,11 +10,10 @@ per token.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
-import warnings
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,16 +21,11 @@ import torch
 from . import sampler
 from .block_manager import SCRATCH_BLOCK, BlockManager
 from .config import EngineConfig
+from .decode_graphs import DecodeGraphs, graph_buckets, table_widths
 from .decode_inputs import DecodeInputs
-from .sequence import Sequence, split_step
+from .sequence import Sequence, split_step, step_kind
 
 logger = logging.getLogger(__name__)
-
-
-def graph_buckets(max_bs: int) -> list[int]:
-    """Captured decode batch sizes: 1, 2, 4, 8, then multiples of 16, and ``max_bs`` itself."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
-    return sorted(set(sizes + [max_bs]))
 
 
 def warmup_shapes(model):
@@ -56,6 +48,30 @@ class StepResult:
     logprobs: list[float]
 
 
+@dataclass
+class StepCounts:
+    """Steps by kind, and the decode launches by the graph bucket they pad to.
+
+    Kinds: "prefill" (prompt chunks only), "mixed" (prompt chunks and decode rows: chunked
+    prefill), "decode" (decode rows only). ``decode_buckets[(kind, bucket)]`` counts the
+    decode launches of steps of that kind by the bucket the graph plan pads them to (0:
+    above the largest bucket, or no plan, so eager); a planned bucket replays its CUDA
+    graph when one was captured (``ModelRunner.graph_replays``). Chunked prefill must
+    leave a decode-only step exactly where it is without chunks: kind "decode", the
+    bucket of its batch size.
+    """
+
+    prefill: int = 0
+    mixed: int = 0
+    decode: int = 0
+    decode_buckets: Counter = field(default_factory=Counter)
+
+    def add(self, kind: str, bucket: int | None) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if bucket is not None:
+            self.decode_buckets[(kind, bucket)] += 1
+
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig):
         self.model = model
@@ -67,9 +83,13 @@ class ModelRunner:
         self._check_num_blocks(num_blocks)
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._buckets: list[int] = []  # sorted(self.graphs)
-        self.graph_replays = 0  # decode steps served by a CUDA graph
+        # The graph plan: the decode buckets and table widths to capture on a GPU. On CPU
+        # nothing is captured, but the plan still says which bucket a decode batch pads to
+        # (what a GPU would replay), and ``step_counts`` records it.
+        sizes = tuple(config.cuda_graph_sizes or graph_buckets(config.graph_batch_limit)) if config.cuda_graphs else ()
+        self.decode_graphs = DecodeGraphs(
+            sizes, table_widths(config.max_blocks_per_seq, getattr(model, "kernels", None)))
+        self.step_counts = StepCounts()
         self.decode_inputs = DecodeInputs(config.max_num_seqs, config.max_blocks_per_seq,
                                           self.block_manager, self.device)
         self._init_result_buffers(config.max_num_seqs)
@@ -221,6 +241,9 @@ class ModelRunner:
         ``timing["launch"]`` / ``["wait"]`` when given."""
         start = time.perf_counter()
         prefill, decode = split_step(seqs)
+        kind = step_kind(prefill, decode)
+        bucket = self.graph_bucket(len(decode)) if decode else None
+        self.step_counts.add(kind, (bucket or 0) if decode else None)
         parts = []
         if prefill:
             hidden = self._prefill(prefill)
@@ -228,7 +251,7 @@ class ModelRunner:
             if done:
                 parts.append(self.sample(hidden, done))
         if decode:
-            hidden = self._decode(decode)
+            hidden = self._decode(decode, bucket)
             parts.append(self.sample(hidden, decode, self.decode_inputs.sample_keys(len(decode))))
         n = sum(p[0].shape[0] for p in parts)
         if 2 * n > self._result_host.numel():  # prefill batches are bounded by max_num_seqs too
@@ -254,19 +277,35 @@ class ModelRunner:
         inputs = self.prepare_prefill(seqs)
         return self.model.prefill(cache=self.kv_cache, **inputs)
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        return self.decode_graphs.sizes
+
+    @property
+    def graphs(self) -> dict:
+        """The captured decode graphs by (bucket, table width); empty on CPU."""
+        return self.decode_graphs.graphs
+
+    @property
+    def graph_replays(self) -> int:
+        return self.decode_graphs.replays
+
+    def graph_bucket(self, batch: int) -> int | None:
+        """The planned graph bucket a decode batch of ``batch`` rows pads to (the smallest
+        one that holds it), or None above the largest: the decision to replay, which
+        depends on the batch size alone, never on the step's prefill chunks."""
+        return self.decode_graphs.bucket(batch)
+
+    def _decode(self, seqs: list[Sequence], bucket: int | None) -> torch.Tensor:
         batch = len(seqs)
-        i = bisect.bisect_left(self._buckets, batch)
         staging = self.decode_inputs
-        if i == len(self._buckets):
+        width = max(len(s.block_table) for s in seqs)
+        key = self.decode_graphs.key(bucket, width)
+        if key is None:  # above the plan, or nothing captured (CPU, failed capture)
             staging.stage(seqs, batch)
-            width = max(len(s.block_table) for s in seqs)
             return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width))
-        bucket = self._buckets[i]
         staging.stage(seqs, bucket)  # the graph reads the staging buffer's device views
-        self.graphs[bucket].replay()
-        self.graph_replays += 1
-        return self._graph_outputs[bucket][:batch]
+        return self.decode_graphs.replay(key, batch)
 
     # ------------------------------------------------------------------ sampling
 
@@ -317,30 +356,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _capture_graphs(self) -> None:
-        cfg = self.config
-        sizes = cfg.cuda_graph_sizes or graph_buckets(cfg.graph_batch_limit)
-        dev = self.device
-        self._graph_outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        try:
-            with torch.inference_mode():
-                for bs in reversed(sizes):
-                    pool = self._capture_one(bs, pool)
-        except RuntimeError as exc:  # e.g. an op that syncs or allocates outside the pool
-            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {exc}", RuntimeWarning, stacklevel=2)
-            self.graphs.clear()
-            self._graph_outputs.clear()
-        self._buckets = sorted(self.graphs)
-        torch.cuda.synchronize(dev)
-
-    def _capture_one(self, bs: int, pool):
         # The staging buffer holds padding rows here (scratch block only); its device views
         # are the graph's inputs, so a step's one staging copy feeds the replay.
-        inputs = self.decode_inputs.model_inputs(bs)
-        self.model.decode(cache=self.kv_cache, **inputs)  # warm-up: compiles kernels for this shape
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._graph_outputs[bs] = self.model.decode(cache=self.kv_cache, **inputs)
-        self.graphs[bs] = graph
-        return graph.pool() if pool is None else pool
+        def decode(**inputs):
+            return self.model.decode(cache=self.kv_cache, **inputs)
+        self.decode_graphs.capture(decode, self.decode_inputs.model_inputs, self.device)

@@ -129,6 +129,12 @@ def split_step(seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
     return prefill, [s for s in seqs if is_decode_row(s)]
 
 
+def step_kind(prefill: list[Sequence], decode: list[Sequence]) -> str:
+    """"prefill" (prompt chunks only), "mixed" (prompt chunks and decode rows: chunked
+    prefill) or "decode" (decode rows only), from ``split_step``'s two lists."""
+    return "decode" if not prefill else "mixed" if decode else "prefill"
+
+
 def sampling_rows(seqs: list[Sequence]) -> list[Sequence]:
     """The sequences that sample a token this step, in the order of the step's results:
     prefill chunks that end their sequence's tokens, then the decode rows."""
