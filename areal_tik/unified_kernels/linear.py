@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_same_device, check_tensor, grad_mm, interpreting
+from ._ktree import check_k_groups, combine_partials, tree_sum
 
 try:  # host-side TMA descriptors (triton >= 3.3): no device scratch, no global allocator
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -381,22 +382,19 @@ def _launch_persistent(x2d, weight, bias, out, cfg: TileConfig) -> None:
     (M, K), N = x2d.shape, weight.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     sms = _CPU_PROGRAMS if interpreting() else _device_info(x2d.device.index or 0)[1]
+    # An fp32 output (partials) of bf16 operands stores half tiles: the epilogue's shared
+    # memory is then that of a whole bf16 tile, which every table config fits.
+    split = cfg.split_epilogue or out.element_size() > x2d.element_size()
     _linear_fwd_persistent_kernel[(min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)](
         TensorDescriptor(x2d, [M, K], [x2d.stride(0), 1], [bm, bk]),
         TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [bn, bk]),
-        TensorDescriptor(out, [M, N], [N, 1], [bm, bn // 2 if cfg.split_epilogue else bn]),
+        TensorDescriptor(out, [M, N], [N, 1], [bm, bn // 2 if split else bn]),
         bias if bias is not None else out, M, N, K,
-        NUM_PROGRAMS=sms, SPLIT_EPILOGUE=cfg.split_epilogue, **_launch_options(x2d, bias, cfg))
+        NUM_PROGRAMS=sms, SPLIT_EPILOGUE=split, **_launch_options(x2d, bias, cfg))
 
 
-def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   config: TileConfig | None = None) -> torch.Tensor:
-    """Launch the forward kernel on validated 2-D ``x2d [M, K]``; returns ``[M, N]``.
-
-    ``config`` overrides the table (benchmarks and tests only: a different BLOCK_K
-    changes the numerics). A persistent config whose operands TMA cannot read runs the
-    tiled kernel with the same tile shape.
-    """
+def _launch(x2d, weight, bias, out, config: TileConfig | None) -> None:
+    """One launch into ``out`` (its dtype is the output dtype: x's, or fp32 for partials)."""
     M, K = x2d.shape
     N = weight.shape[0]
     tma = tma_compatible(x2d, weight)
@@ -404,22 +402,57 @@ def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if cfg is None:
         sms = _device_info(x2d.device.index or 0)[1] if x2d.is_cuda else _REFERENCE_SMS
         cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
-    out = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     if bias is not None:
         bias = bias.contiguous()
     if cfg.persistent and tma:
         _launch_persistent(x2d, weight, bias, out, cfg)
     else:
         _launch_tiled(x2d, weight, bias, out, cfg)
+
+
+def _group_sums(x2d, weight, k_groups: int, config) -> list[torch.Tensor]:
+    """The fp32 chain of each K group, each from zero over its own blocks, unrounded."""
+    M, K = x2d.shape
+    width = K // k_groups
+    sums = []
+    for g in range(k_groups):
+        cols = slice(g * width, (g + 1) * width)
+        out = torch.empty((M, weight.shape[0]), dtype=torch.float32, device=x2d.device)
+        _launch(x2d[:, cols], weight[:, cols], None, out, config)
+        sums.append(out)
+    return sums
+
+
+def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   config: TileConfig | None = None, *, k_groups: int = 1) -> torch.Tensor:
+    """Launch the forward kernel on validated 2-D ``x2d [M, K]``; returns ``[M, N]``.
+
+    ``config`` overrides the table (benchmarks and tests only: a different BLOCK_K
+    changes the numerics). A persistent config whose operands TMA cannot read runs the
+    tiled kernel with the same tile shape. ``k_groups`` > 1: the K-group tree (see
+    ``_ktree``), bias after the tree, one rounding.
+    """
+    M, K = x2d.shape
+    N = weight.shape[0]
+    if k_groups > 1:
+        return combine_partials([tree_sum(_group_sums(x2d, weight, k_groups, config))], bias, x2d.dtype)
+    out = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+    _launch(x2d, weight, bias, out, config)
     return out
+
+
+def partial_forward(x2d: torch.Tensor, weight: torch.Tensor, k_groups: int,
+                    config: TileConfig | None = None) -> torch.Tensor:
+    """The unrounded fp32 tree root over ``k_groups`` groups of validated ``x2d [M, K]``, no bias."""
+    return tree_sum(_group_sums(x2d, weight, k_groups, config))
 
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias):
+    def forward(ctx, x2d, weight, bias, k_groups):
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
-        return linear_forward(x2d, weight, bias)
+        return linear_forward(x2d, weight, bias, k_groups=k_groups)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -434,7 +467,7 @@ class _LinearFunction(torch.autograd.Function):
             dw = grad_mm(dy.t(), x2d)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32).to(weight.dtype)
-        return dx, dw, db
+        return dx, dw, db, None  # the backward ignores the K-group tree (no bitwise requirement)
 
 
 def _validate(x, weight, bias) -> None:
@@ -456,17 +489,37 @@ def _validate(x, weight, bias) -> None:
     check_same_device(x=x, weight=weight, bias=bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           k_groups: int = 1) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp32 accumulation in a fixed K order, rounded once.
 
     x ``[..., K]`` (bf16 or fp32), weight ``[N, K]`` and bias ``[N]`` of the same dtype;
     returns ``[..., N]`` in ``x.dtype``. Each row's bits depend only on that row.
+    ``k_groups`` G (1, 2, 4 or 8; K % G == 0): K reduced in G groups combined by the fixed
+    balanced tree (``_ktree``), so that G / t groups on each of t tensor-parallel ranks
+    (``linear_partial`` + ``combine_partials``) give the same bits; G = 1 is the plain chain.
     """
     _validate(x, weight, bias)
+    check_k_groups(k_groups, x.shape[-1])
     x2d = x.reshape(-1, x.shape[-1])
     needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
-        out = _LinearFunction.apply(x2d, weight, bias)
+        out = _LinearFunction.apply(x2d, weight, bias, k_groups)
     else:
-        out = linear_forward(x2d, weight, bias)
+        out = linear_forward(x2d, weight, bias, k_groups=k_groups)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_partial(x: torch.Tensor, weight_shard: torch.Tensor, *, k_groups: int) -> torch.Tensor:
+    """One rank's subtree of the K-group tree: fp32 ``[..., N]``, unrounded, no bias.
+
+    ``x [..., K']`` and ``weight_shard [N, K']`` are this rank's K' = K / t contiguous
+    columns; ``k_groups`` = G / t groups of them. Forward only (no autograd). The ranks'
+    results, in rank order, go to ``combine_partials``.
+    """
+    _validate(x, weight_shard, None)
+    check_k_groups(k_groups, x.shape[-1])
+    x2d = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        out = partial_forward(x2d, weight_shard.detach(), k_groups)
+    return out.reshape(*x.shape[:-1], weight_shard.shape[0])

@@ -1,0 +1,203 @@
+"""The K-group reduction tree of the unified linear (tensor-parallel row shards).
+
+CPU runs use the Triton interpreter with BLOCK_K = 16 and tiny shapes: the kernel's
+chain is checked bit for bit against a torch reference (per-group fp32 chains block by
+block, then the tree written recursively), the shard identity ``combine_partials`` over
+t ranks == ``linear(k_groups=G)`` for every t | G, G = 1 == today's linear, row
+invariance, and bad input. ``-m gpu`` proves every config and both kernels bit-equal at
+Qwen3-0.6B's row-parallel shapes.
+"""
+import importlib
+import warnings
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+from areal_tik.model.ops import get_ops
+from areal_tik.unified_kernels import combine_partials, linear, linear_partial
+from tests._bits import assert_bitwise, rel_err
+from tests.test_linear import _count_persistent_launches
+
+L = importlib.import_module("areal_tik.unified_kernels.linear")
+
+DTYPES = [torch.bfloat16, torch.float32]
+GROUPS = [1, 2, 4, 8]
+
+
+def _problem(m, k, n, dtype, device, seed=0, bias=True):
+    """O(1)-scale inputs holding bf16 values (so fp32 runs are exact per block in fp64)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16().to(device=device, dtype=dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16().to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=g).bfloat16().to(device=device, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def _chain(x, w, block_k):
+    """One group's fp32 chain from zero, block by block, as the interpreter computes it:
+    each block's dot exact in fp64 (bf16 products), added to the fp32 sum, rounded to fp32."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for start in range(0, x.shape[1], block_k):
+        block = x[:, start:start + block_k].double() @ w[:, start:start + block_k].double().T
+        acc = (acc.double() + block).float()
+    return acc
+
+
+def _tree(sums):
+    """The balanced binary tree, left subtree + right subtree, in fp32."""
+    if len(sums) == 1:
+        return sums[0]
+    half = len(sums) // 2
+    return _tree(sums[:half]) + _tree(sums[half:])
+
+
+def _reference(x, w, b, k_groups, block_k):
+    width = x.shape[1] // k_groups
+    root = _tree([_chain(x[:, g * width:(g + 1) * width], w[:, g * width:(g + 1) * width], block_k)
+                  for g in range(k_groups)])
+    if b is not None:
+        root = root + b.float()
+    return root.to(x.dtype)
+
+
+def _shards(x, w, t, k_groups):
+    """combine_partials over t ranks, each holding K / t contiguous columns (a copy, as a rank has)."""
+    width = x.shape[-1] // t
+    parts = [linear_partial(x[..., r * width:(r + 1) * width].contiguous(),
+                            w[:, r * width:(r + 1) * width].contiguous(), k_groups=k_groups // t)
+             for r in range(t)]
+    return parts
+
+
+# ---------------------------------------------------------------- the chain, bit for bit
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics (the GPU proof is -m gpu)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [128, 160])  # 160 / 8 = 20: a masked last block inside each group
+def test_tree_matches_torch_reference_bitwise(dtype, k):
+    x, w, b = _problem(5, k, 24, dtype, "cpu", seed=1)
+    block_k = L.linear_config(5, 24, k, dtype).block_k
+    for k_groups in GROUPS:
+        for bias in (b, None):
+            assert_bitwise(linear(x, w, bias, k_groups=k_groups), _reference(x, w, bias, k_groups, block_k),
+                           f"G={k_groups} K={k} bias={bias is not None}")
+        partial = linear_partial(x, w, k_groups=k_groups)
+        assert partial.dtype == torch.float32
+        assert_bitwise(partial, _reference(x.float(), w.float(), None, k_groups, block_k),
+                       f"partial G={k_groups} K={k}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics (the GPU proof is -m gpu)")
+def test_every_config_and_both_kernels_follow_the_tree(monkeypatch):
+    x, w, b = _problem(37, 160, 40, torch.bfloat16, "cpu", seed=2)
+    block_k = L.linear_config(37, 40, 160, torch.bfloat16).block_k
+    seen = _count_persistent_launches(monkeypatch)
+    configs = L.linear_candidates(torch.bfloat16)
+    for k_groups in (2, 8):
+        expect = _reference(x, w, b, k_groups, block_k)
+        for cfg in configs:
+            assert_bitwise(L.linear_forward(x, w, b, config=cfg, k_groups=k_groups), expect,
+                           f"G={k_groups} {cfg}")
+    assert seen["calls"] > 0
+
+
+def test_negative_control_tree_differs_from_plain_chain(device):
+    """The check can fail: G = 8 regroups the fp32 sums of G = 1 (same maths, other bits)."""
+    x, w, b = _problem(16, 256, 64, torch.float32, device, seed=3)
+    plain, tree = linear(x, w, b), linear(x, w, b, k_groups=8)
+    assert rel_err(tree, plain) < 1e-6
+    with pytest.raises(AssertionError, match="differ in bits"):
+        assert_bitwise(tree, plain, "G=8 vs G=1")
+
+
+# ---------------------------------------------------------------- shards == one device
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_over_shards_equals_full_tree(dtype, device):
+    x, w, b = _problem(9, 160, 24, dtype, device, seed=4)
+    for k_groups in GROUPS:
+        for t in (1, 2, 4, 8):
+            if k_groups % t:
+                continue
+            parts = _shards(x, w, t, k_groups)
+            for bias in (b, None):
+                assert_bitwise(combine_partials(parts, bias, dtype), linear(x, w, bias, k_groups=k_groups),
+                               f"G={k_groups} over t={t} ranks, bias={bias is not None}")
+
+
+def test_g1_is_todays_linear(device):
+    x, w, b = _problem(33, 96, 40, torch.bfloat16, device, seed=5)
+    assert_bitwise(linear(x, w, b, k_groups=1), linear(x, w, b), "k_groups=1 vs default")
+    assert_bitwise(L.linear_forward(x, w, b, k_groups=1), L.linear_forward(x, w, b), "launcher")
+    assert_bitwise(combine_partials([linear_partial(x, w, k_groups=1)], b, x.dtype), linear(x, w, b),
+                   "one rank, one group")
+
+
+def test_leading_dims_and_autograd(device):
+    x, w, b = _problem(12, 64, 16, torch.float32, device, seed=6)
+    x3 = x.view(3, 4, 64)
+    assert_bitwise(linear(x3, w, b, k_groups=4).view(12, 16), linear(x, w, b, k_groups=4), "3-D x")
+    assert_bitwise(linear_partial(x3, w, k_groups=4).view(12, 16), linear_partial(x, w, k_groups=4), "3-D partial")
+    leaf = x3.clone().requires_grad_()
+    out = linear(leaf, w, b, k_groups=4)
+    assert_bitwise(out.detach(), linear(x3, w, b, k_groups=4), "autograd forward")
+    out.sum().backward()
+    assert rel_err(leaf.grad, torch.ones(3, 4, 16, dtype=torch.float64, device=device) @ w.double()) < 1e-6
+
+
+# ---------------------------------------------------------------- row invariance
+@pytest.mark.parametrize("k_groups", [2, 8])
+def test_rows_alone_equal_rows_in_batches(k_groups, device):
+    x, w, b = _problem(40, 160, 40, torch.bfloat16, device, seed=7)
+    alone = torch.cat([linear(x[i:i + 1], w, b, k_groups=k_groups) for i in range(40)])
+    alone_parts = torch.cat([linear_partial(x[i:i + 1], w, k_groups=k_groups) for i in range(40)])
+    for m in (2, 4, 5, 32, 33, 40):  # crosses the interpreter's row buckets (4, 32)
+        assert_bitwise(linear(x[:m], w, b, k_groups=k_groups), alone[:m], f"{m} rows")
+        assert_bitwise(linear(x[-m:], w, b, k_groups=k_groups), alone[-m:], f"last {m} rows")
+        assert_bitwise(linear_partial(x[:m], w, k_groups=k_groups), alone_parts[:m], f"partial, {m} rows")
+
+
+# ---------------------------------------------------------------- the standard kernel set
+def test_standard_set_has_the_tree():
+    std = get_ops("standard")
+    x, w, b = _problem(6, 64, 16, torch.bfloat16, "cpu", seed=8)
+    assert_bitwise(std.linear(x, w, b, k_groups=1), torch.nn.functional.linear(x, w, b), "standard G=1")
+    exact = x.double() @ w.double().T + b.double()
+    for k_groups in (2, 4):
+        out = std.linear(x, w, b, k_groups=k_groups)
+        assert out.dtype == x.dtype and rel_err(out, exact) < 1e-2
+        width = 64 // k_groups
+        sums = [x[:, g * width:(g + 1) * width].float() @ w[:, g * width:(g + 1) * width].float().T
+                for g in range(k_groups)]
+        assert_bitwise(std.linear_partial(x, w, k_groups=k_groups), _tree(sums), f"standard partial G={k_groups}")
+        assert_bitwise(std.combine_partials([std.linear_partial(x, w, k_groups=k_groups)], b, x.dtype), out,
+                       f"standard combine G={k_groups}")
+    with pytest.raises(ValueError, match="got 3"):
+        std.linear(x, w, b, k_groups=3)
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_inputs(device):
+    x, w, b = _problem(4, 96, 16, torch.float32, device, seed=9)
+    part = linear_partial(x, w, k_groups=2)
+    x100, w100, _ = _problem(4, 100, 16, torch.float32, device, seed=10)
+    cases = [
+        (ValueError, "power of two .* got 3", lambda: linear(x, w, b, k_groups=3)),
+        (ValueError, "power of two .* got 16", lambda: linear(x, w, b, k_groups=16)),
+        (ValueError, "power of two .* got 0", lambda: linear_partial(x, w, k_groups=0)),
+        (TypeError, "int .* got True", lambda: linear(x, w, b, k_groups=True)),
+        (TypeError, "int .* got 2.0", lambda: linear_partial(x, w, k_groups=2.0)),
+        (ValueError, "K = 100 .* k_groups = 8", lambda: linear(x100, w100, k_groups=8)),
+        (ValueError, "K = 20 .* k_groups = 8", lambda: linear_partial(x[:, :20], w[:, :20], k_groups=8)),
+        (ValueError, "power of two .* got 3", lambda: combine_partials([part] * 3, b, x.dtype)),
+        (ValueError, "power of two .* got 0", lambda: combine_partials([], b, x.dtype)),
+        (ValueError, "power of two .* got 16", lambda: combine_partials([part] * 16, b, x.dtype)),
+        (TypeError, "sequence", lambda: combine_partials(part, b, x.dtype)),
+        (TypeError, r"parts\[1\] must have dtype torch.float32", lambda: combine_partials([part, part.bfloat16()], b, x.dtype)),
+        (ValueError, r"parts\[1\] has \(4, 8\)", lambda: combine_partials([part, part[:, :8]], b, x.dtype)),
+        (TypeError, "bias must have dtype torch.bfloat16", lambda: combine_partials([part], b, torch.bfloat16)),
+        (ValueError, r"bias must have shape \(16,\)", lambda: combine_partials([part], b[:8], x.dtype)),
+        (TypeError, "dtype must be one of", lambda: combine_partials([part], None, torch.float16)),
+    ]
+    for exc, msg, call in cases:
+        with pytest.raises(exc, match=msg):
+            call()
