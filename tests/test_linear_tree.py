@@ -8,16 +8,14 @@ invariance, and bad input. ``-m gpu`` proves every config and both kernels bit-e
 Qwen3-0.6B's row-parallel shapes.
 """
 import importlib
-import warnings
 
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
 
 from areal_tik.model.ops import get_ops
 from areal_tik.unified_kernels import combine_partials, linear, linear_partial
 from tests._bits import assert_bitwise, rel_err
-from tests.test_linear import _count_persistent_launches
+from tests.test_linear import _count_persistent_launches, forward_if_it_fits
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
 
@@ -89,16 +87,19 @@ def test_tree_matches_torch_reference_bitwise(dtype, k):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics (the GPU proof is -m gpu)")
 def test_every_config_and_both_kernels_follow_the_tree(monkeypatch):
-    x, w, b = _problem(37, 160, 40, torch.bfloat16, "cpu", seed=2)
-    block_k = L.linear_config(37, 40, 160, torch.bfloat16).block_k
+    """Every config, the persistent TMA kernel included where each group is whole
+    BLOCK_K blocks (else the tiled kernel runs it: a TMA box would straddle two groups)."""
     seen = _count_persistent_launches(monkeypatch)
     configs = L.linear_candidates(torch.bfloat16)
-    for k_groups in (2, 8):
-        expect = _reference(x, w, b, k_groups, block_k)
+    expected = 0
+    for k, k_groups in ((128, 8), (160, 2), (160, 8)):  # group widths 16, 80, 20 (BLOCK_K 16)
+        x, w, b = _problem(37, k, 40, torch.bfloat16, "cpu", seed=2)
+        expect = _reference(x, w, b, k_groups, L.linear_config(37, 40, k, torch.bfloat16).block_k)
         for cfg in configs:
             assert_bitwise(L.linear_forward(x, w, b, config=cfg, k_groups=k_groups), expect,
-                           f"G={k_groups} {cfg}")
-    assert seen["calls"] > 0
+                           f"K={k} G={k_groups} {cfg}")
+        expected += sum(cfg.persistent for cfg in configs) if (k // k_groups) % 16 == 0 else 0
+    assert seen["calls"] == expected > 0
 
 
 def test_negative_control_tree_differs_from_plain_chain(device):
@@ -147,13 +148,15 @@ def test_leading_dims_and_autograd(device):
 # ---------------------------------------------------------------- row invariance
 @pytest.mark.parametrize("k_groups", [2, 8])
 def test_rows_alone_equal_rows_in_batches(k_groups, device):
-    x, w, b = _problem(40, 160, 40, torch.bfloat16, device, seed=7)
-    alone = torch.cat([linear(x[i:i + 1], w, b, k_groups=k_groups) for i in range(40)])
-    alone_parts = torch.cat([linear_partial(x[i:i + 1], w, k_groups=k_groups) for i in range(40)])
-    for m in (2, 4, 5, 32, 33, 40):  # crosses the interpreter's row buckets (4, 32)
-        assert_bitwise(linear(x[:m], w, b, k_groups=k_groups), alone[:m], f"{m} rows")
-        assert_bitwise(linear(x[-m:], w, b, k_groups=k_groups), alone[-m:], f"last {m} rows")
-        assert_bitwise(linear_partial(x[:m], w, k_groups=k_groups), alone_parts[:m], f"partial, {m} rows")
+    x, w, b = _problem(35, 96, 40, torch.bfloat16, device, seed=7)  # G = 8: 12 columns, one masked block
+    probes = (0, 1, 3, 4, 31, 34)
+    alone = {r: linear(x[r:r + 1], w, b, k_groups=k_groups) for r in probes}
+    alone_parts = {r: linear_partial(x[r:r + 1], w, k_groups=k_groups) for r in probes}
+    for m in (2, 5, 33, 35):  # crosses the interpreter's row buckets (4, 32)
+        out, parts = linear(x[:m], w, b, k_groups=k_groups), linear_partial(x[:m], w, k_groups=k_groups)
+        for r in (r for r in probes if r < m):
+            assert_bitwise(out[r:r + 1], alone[r], f"row {r} of {m}")
+            assert_bitwise(parts[r:r + 1], alone_parts[r], f"partial row {r} of {m}")
 
 
 # ---------------------------------------------------------------- the standard kernel set
@@ -201,3 +204,63 @@ def test_bad_inputs(device):
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):
             call()
+
+
+# ---------------------------------------------------------------- GPU proof at real sizes
+GPU = "cuda"
+TP_SHAPES = [(2048, 1024), (3072, 1024)]  # (K, N): Qwen3-0.6B o_proj and down_proj
+TP_ROWS = (1, 17, 64, 1000, 4096)
+
+
+def _gpu_problem(m, k, n, seed, bias=True):
+    g = torch.Generator(device=GPU).manual_seed(seed)
+    x = torch.randn(m, k, device=GPU, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=GPU, generator=g) * k ** -0.5).to(torch.bfloat16)
+    b = torch.randn(n, device=GPU, generator=g).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", TP_SHAPES)
+@pytest.mark.parametrize("k_groups", [2, 4, 8])
+def test_gpu_every_config_and_both_kernels_equal_with_the_tree(k, n, k_groups, monkeypatch):
+    """Every table, fixed and candidate config, tiled and persistent, gives the tree's
+    bits: at 1000 rows (partial last row tiles) every config; at 17 rows (rows masked)
+    the table's; partials (fp32 output, other kernel keys) for the table's configs."""
+    table = {cfg for _, ladder in L.buckets(torch.bfloat16) for cfg, _, _ in ladder}
+    persistent = _count_persistent_launches(monkeypatch)
+    for m, configs in ((1000, L.linear_candidates(torch.bfloat16)), (17, tuple(table))):
+        x, w, b = _gpu_problem(m, k, n, seed=30 + m)
+        base, base_partial = linear(x, w, b, k_groups=k_groups), linear_partial(x, w, k_groups=k_groups)
+        for cfg in configs:
+            out = forward_if_it_fits(x, w, b, cfg, table, k_groups=k_groups)
+            if out is None:
+                continue
+            assert_bitwise(out, base, f"G={k_groups} {m} rows {cfg}")
+            if cfg in table:
+                assert_bitwise(L.partial_forward(x, w, k_groups, config=cfg), base_partial,
+                               f"partial G={k_groups} {m} rows {cfg}")
+    assert persistent["calls"] > 0  # (K / G) % BLOCK_K == 0 here: the persistent configs ran TMA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", TP_SHAPES)
+def test_gpu_shards_and_rows_equal_the_full_tree(k, n):
+    """combine_partials over t = 2 and 4 ranks (each a contiguous K / t copy) == the full
+    kernel with the same G; every row count gives each row the bits it has alone."""
+    x, w, b = _gpu_problem(max(TP_ROWS), k, n, seed=40)
+    for k_groups in (2, 4, 8):
+        full = linear(x, w, b, k_groups=k_groups)
+        full_partial = linear_partial(x, w, k_groups=k_groups)
+        assert_bitwise(combine_partials([full_partial], b, x.dtype), full, f"G={k_groups} one rank")
+        for m in TP_ROWS:
+            assert_bitwise(linear(x[:m], w, b, k_groups=k_groups), full[:m], f"G={k_groups} first {m} rows")
+            assert_bitwise(linear(x[m - 1:m], w, b, k_groups=k_groups), full[m - 1:m], f"G={k_groups} row {m - 1}")
+            assert_bitwise(linear_partial(x[:m], w, k_groups=k_groups), full_partial[:m], f"partial, {m} rows")
+            for t in (2, 4):
+                if k_groups % t == 0:
+                    got = combine_partials(_shards(x[:m], w, t, k_groups), b, x.dtype)
+                    assert_bitwise(got, full[:m], f"G={k_groups} over {t} ranks, {m} rows")
+        del full, full_partial
+    exact = x.double() @ w.double().T + b.double()
+    assert rel_err(linear(x, w, b, k_groups=8), exact) < 1e-2
