@@ -10,6 +10,12 @@ Qwen3-0.6B's row-parallel shapes.
 import concurrent.futures
 import functools
 import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +293,94 @@ def test_gpu_shards_and_rows_equal_the_full_tree(k, n):
         del full, full_partial
     exact = x.double() @ w.double().T + b.double()
     assert rel_err(linear(x, w, b, k_groups=8), exact) < 1e-2
+
+
+# ---------------------------------------------------------------- the compiled GPU IR
+# The interpreter does not run Triton's MLIR passes (a combine pass rewrites dot(a, b, 0)
+# + c as dot(a, b, c)), so the tree is also checked where the GPU meets it: the Hopper
+# TTIR, built on this CPU (no device needed) in a process without the interpreter.
+_IR_SCRIPT = """
+import json, re, sys
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+import importlib
+L = importlib.import_module("areal_tik.unified_kernels.linear")
+common = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=False, INTERPRET=False, DOT_PRECISION="tf32")
+kernels = {
+    "tiled": (L._linear_fwd_kernel, {**{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
+              **{p: "i32" for p in ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_om")}},
+              dict(common, EVEN_K=True, MASK_ROWS=False)),
+    "persistent": (L._linear_fwd_persistent_kernel, {"x_desc": "tensordesc<bf16[64, 64]>",
+                   "w_desc": "tensordesc<bf16[128, 64]>", "out_desc": "tensordesc<bf16[64, 128]>", "b_ptr": "*bf16",
+                   "M": "i32", "N": "i32", "K": "i32"}, dict(common, NUM_PROGRAMS=132, SPLIT_EPILOGUE=False)),
+}
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+options = backend.parse_options({"num_warps": 4, "num_stages": 3})
+out = {}
+for name, (kernel, sig, consts) in kernels.items():
+    for groups in (1, 2, 4, 8):
+        c = dict(consts, K_GROUPS=groups)
+        src = ASTSource(kernel, {**sig, **{k: "constexpr" for k in c}}, c)
+        ctx = ir.context(); ir.load_dialects(ctx); backend.load_dialects(ctx)
+        mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+        stages = {}
+        backend.add_stages(stages, options, src.language)
+        text = re.sub(r"\\s*loc\\(#loc\\d*\\)", "", str(stages["ttir"](mod, {})))
+        out[f"{name}/{groups}"] = text
+json.dump(out, sys.stdout)
+"""
+
+
+def _ttir_by_kernel() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", _IR_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _reduction_of(ttir: str):
+    """The expression the rounded output is computed from: a leaf is one K-group chain (a
+    loop whose fp32 accumulator starts at the zero tile), a pair is one fp32 add."""
+    acc_type = "tensor<64x128xf32>"
+    zero = re.search(r"(%\S+) = arith.constant dense<0.000000e\+00> : " + re.escape(acc_type), ttir).group(1)
+    leaves, adds, dots = {}, {}, []
+    for line in ttir.splitlines():
+        loop = re.match(r"\s*(%[\w]+)(?::\d+)? = scf.for .*iter_args\((.*?)\) ->", line)
+        if loop and re.search(r"= " + re.escape(zero) + r"\b", loop.group(2)):
+            leaves[loop.group(1)] = len(leaves)
+        add = re.match(r"\s*(%\S+) = arith.addf (%\S+), (%\S+) : " + re.escape(acc_type), line)
+        if add:
+            adds[add.group(1)] = (add.group(2).rstrip(","), add.group(3))
+        dot = re.match(r"\s*%\S+ = tt.dot \S+, \S+, (%\S+),", line)
+        if dot:
+            dots.append(dot.group(1))
+    assert not set(dots) & set(adds), "a tree add was folded into a dot's accumulator"
+    root = re.search(r"arith.truncf (%\S+) : " + re.escape(acc_type), ttir).group(1)
+
+    def expr(value):
+        if value in adds:
+            return tuple(expr(v) for v in adds[value])
+        return leaves[value.split("#")[0]]
+
+    return expr(root), len(leaves), len(dots)
+
+
+def test_compiled_gpu_ir_follows_the_tree():
+    """Both kernels' Hopper TTIR, G = 1, 2, 4, 8: G chains (one dot each, from the zero
+    tile) and the output is the balanced tree of their sums, left to right, unfolded."""
+    for key, ttir in _ttir_by_kernel().items():
+        groups = int(key.split("/")[1])
+        tree, leaves, dots = _reduction_of(ttir)
+        assert (leaves, dots) == (groups, groups), key
+        assert tree == _nested(list(range(groups))), key
+
+
+def _nested(items):
+    """The balanced tree over ``items`` as nested pairs (a leaf is itself)."""
+    if len(items) == 1:
+        return items[0]
+    return (_nested(items[:len(items) // 2]), _nested(items[len(items) // 2:]))
