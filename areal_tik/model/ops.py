@@ -7,7 +7,8 @@ signatures (``OP_NAMES``), so one model code path runs either:
   by op. An op whose kernel module does not exist (yet) raises ``KernelUnavailableError``
   when first used; nothing is ever substituted silently.
 - ``"standard"``: what stock Hugging Face / AReaL stacks run, in pure torch (runs on CPU
-  without Triton): ``F.linear``, the HF-style eager RMSNorm / rope / SiLU, attention
+  without Triton): ``F.linear`` (with ``k_groups`` > 1, the K-group tree over fp32 torch
+  matmuls, for tensor-parallel row shards), the HF-style eager RMSNorm / rope / SiLU, attention
   (packed varlen: torch's FlashAttention varlen on CUDA where this torch has it, else
   SDPA in a loop over sequences; decode: SDPA over the gathered paged K/V) and a
   materialised ``log_softmax`` for log-probs. It is the baseline of the benchmarks and
@@ -27,9 +28,10 @@ import torch.nn.functional as F
 
 from areal_tik.runtime import KERNEL_SETS
 from areal_tik.unified_kernels import reference
+from areal_tik.unified_kernels._ktree import check_k_groups, combine_partials, tree_sum
 
 OP_NAMES = (
-    "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
+    "linear", "linear_partial", "combine_partials", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
     "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
     "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
 )
@@ -77,8 +79,26 @@ class UnifiedOps:
 # --------------------------------------------------------------------------- standard
 
 
-def _std_linear(x, weight, bias=None):
-    return F.linear(x, weight, bias)
+def _std_linear(x, weight, bias=None, *, k_groups=1):
+    """F.linear; with k_groups > 1 the unified set's K-group tree over fp32 torch matmuls
+    (the same tree and rounding points; the per-group sums are torch's, not bitwise ours)."""
+    check_k_groups(k_groups, x.shape[-1])
+    if k_groups == 1:
+        return F.linear(x, weight, bias)
+    return _std_combine_partials([_std_linear_partial(x, weight, k_groups=k_groups)], bias, x.dtype)
+
+
+def _std_linear_partial(x, weight_shard, *, k_groups):
+    """The fp32 tree root over ``k_groups`` contiguous K groups (fp32 matmul per group), no bias."""
+    check_k_groups(k_groups, x.shape[-1])
+    width = x.shape[-1] // k_groups
+    sums = [F.linear(x[..., g * width:(g + 1) * width].float(), weight_shard[:, g * width:(g + 1) * width].float())
+            for g in range(k_groups)]
+    return tree_sum(sums)
+
+
+def _std_combine_partials(parts, bias, dtype):
+    return combine_partials(parts, bias, dtype, kernel_device=False)
 
 
 def _std_rms_norm(x, weight, eps):
@@ -286,6 +306,8 @@ def _std_attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, bl
 
 _STANDARD = {
     "linear": _std_linear,
+    "linear_partial": _std_linear_partial,
+    "combine_partials": _std_combine_partials,
     "rms_norm": _std_rms_norm,
     "add_rms_norm": _std_add_rms_norm,
     "rope_cos_sin": _std_rope_cos_sin,

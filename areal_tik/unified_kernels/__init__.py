@@ -10,7 +10,9 @@ are fixed per op and weight shape; nothing is autotuned per row count.
 Functional API (bf16 or fp32 activations; CUDA tensors, or CPU tensors under
 ``TRITON_INTERPRET=1``):
 
-- ``linear(x, weight, bias=None)``                       linear.py
+- ``linear(x, weight, bias=None, *, k_groups=1)``        linear.py
+- ``linear_partial(x, weight_shard, *, k_groups)``        linear.py   (fp32 subtree of a K shard)
+- ``combine_partials(parts, bias, dtype)``                linear.py   (the tree over shards)
 - ``rms_norm(x, weight, eps)``                            rms_norm.py
 - ``add_rms_norm(x, residual, weight, eps)``              rms_norm.py  -> (normed, summed)
 - ``rope_cos_sin(max_positions, head_dim, base, scaling, device)`` rope.py -> (cos, sin)
@@ -38,7 +40,7 @@ from __future__ import annotations
 # submodules of the same name (reach those through importlib.import_module).
 from ._common import bits, bitwise_equal
 from .attention import attention_decode, attention_paged_prefill, attention_varlen, store_kv_cache
-from .linear import linear
+from .linear import combine_partials, linear, linear_partial
 from .logprob import gather_logprobs, lm_head_logits_lse, token_logprobs
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin
@@ -47,7 +49,7 @@ from .warmup import WarmupShapes, warmup
 
 __all__ = [
     "bits", "bitwise_equal",
-    "linear", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
+    "linear", "linear_partial", "combine_partials", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
     "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
     "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
     "WarmupShapes", "warmup",
