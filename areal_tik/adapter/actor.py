@@ -77,6 +77,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         self.old_logprobs: OldLogprobs | None = None
         self._tik_first_minibatch = False
         self._tik_audit_minibatch = True  # this step's first minibatch is an audit
+        self._tik_first_tally = [0.0, 0.0, 0.0]  # its tokens, identical tokens, max |delta| here
 
     @property
     def tik_flag(self) -> bool:
@@ -261,10 +262,14 @@ class TikFSDPPPOActor(FSDPPPOActor):
             self._tik_first_minibatch = False
 
     def train_batch(self, *args, **kwargs):
+        first = self._tik_first_minibatch
         try:
-            return super().train_batch(*args, **kwargs)
+            out = super().train_batch(*args, **kwargs)
         finally:
             self._tik_first_minibatch = False  # the optimizer has stepped
+        if first:  # every process trains the same number of minibatches: a collective point
+            self._judge_first_minibatch()
+        return out
 
     @torch.no_grad()
     def compute_advantages(self, data, *args, **kwargs):
@@ -286,13 +291,26 @@ class TikFSDPPPOActor(FSDPPPOActor):
         result = compare_bits([reference.reshape(-1)], [logprobs.reshape(-1)], [mask])
         log_tik_stats(first_minibatch_exact_fraction=result.fraction_identical,
                       first_minibatch_max_abs_log_ratio=result.max_abs_delta)
+        self.tik_state.first_minibatch_exact.append(result.fraction_identical)
+        if self._tik_audit_minibatch:
+            tally = self._tik_first_tally
+            tally[0] += result.num_tokens
+            tally[1] += result.num_identical
+            tally[2] = max(tally[2], result.max_abs_delta)
+
+    def _judge_first_minibatch(self) -> None:
+        """One verdict on the first minibatch for all training processes: the counts are
+        summed (and the largest delta taken) over them, so a differing bit on one process
+        makes every process react together (a lone fallback would leave the others
+        skipping the recompute pass whose FSDP collectives it then waits for)."""
+        tally, self._tik_first_tally = self._tik_first_tally, [0.0, 0.0, 0.0]
+        n_tokens, n_equal = self._all_reduce(tally[:2], "sum")
+        (max_delta,) = self._all_reduce(tally[2:], "max")
         state = self.tik_state
-        state.first_minibatch_exact.append(result.fraction_identical)
-        if result.conclusive and not result.identical and state.reuse_active and self._tik_audit_minibatch:
-            state.react(f"first minibatch at weights version {self.get_version()}: "
-                        f"{result.num_tokens - result.num_identical} of {result.num_tokens} log-probs of "
-                        f"the training forward differ from the old log-probs (max |delta| "
-                        f"{result.max_abs_delta:.3g})")
+        if n_tokens > n_equal and state.reuse_active:
+            state.react(f"first minibatch at weights version {self.get_version()}: {int(n_tokens - n_equal)} of "
+                        f"{int(n_tokens)} log-probs of the training forward differ from the old log-probs "
+                        f"(all training processes; max |delta| {max_delta:.3g})")
             log_tik_stats(mismatches=float(state.mismatches))
             if state.fallback_reason is not None:
                 self._recompute_from_now_on()
