@@ -20,17 +20,23 @@ log-probs are the old log-probs, so only the audit recomputes while reuse holds.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+import torch.multiprocessing as mp
 from areal.infra.utils.launcher import THREAD_ENV_VARS
 
+from areal_tik.adapter.processes import refusals_of_every_process
+from areal_tik.adapter.launch import _free_port
 from areal_tik.model.checkpoints import make_tiny_checkpoint
+
+from ._gloo import refusals_worker
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 540
@@ -49,12 +55,14 @@ def launch(tmp_path: Path, overrides: list[str]) -> str:
     env.update({var: "1" for var in THREAD_ENV_VARS})
     cmd = [sys.executable, "tests/_local_launcher.py", "tests/_dp_trainer.py",
            "--config", "recipes/chain_sum_grpo_tiny_cpu.yaml", *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's session: its torchrun and ranks
+        # the launcher, its shell, torchrun and the ranks (torchrun gives each its own session)
+        for child in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
         out, _ = proc.communicate()
         pytest.fail(f"the two-rank run did not end in {TIMEOUT_S} s (a rank waiting in a collective "
                     f"the other never joins?):\n{out[-4000:]}")
@@ -104,3 +112,14 @@ def test_two_fsdp_ranks_through_areals_local_launcher(tmp_path):
         assert step1["tik/first_minibatch_exact_fraction"] == 0.5
         assert step2["tik/mismatches"] == 1.0 and step2["tik/fallback"] == 1.0
         assert "timeperf/recompute_logp" not in step1 and "timeperf/recompute_logp" in step2
+
+
+def test_refusals_are_one_decision_over_processes(tmp_path):
+    """Three gloo processes, refusals on two of them: every process ends with all of them,
+    in rank order, once each (the actor takes these when it connects its engine)."""
+    reasons = [[], ["server on 'standard' kernels", "device qualification failed"],
+               ["device qualification failed", "top-p sampling"]]
+    mp.spawn(refusals_worker, args=(3, _free_port(), reasons, str(tmp_path)), nprocs=3, join=True)
+    every = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)]
+    assert every == [["server on 'standard' kernels", "device qualification failed", "top-p sampling"]] * 3
+    assert refusals_of_every_process(["one process"]) == ["one process"]  # no process group

@@ -25,10 +25,8 @@ from .audit import REACTIONS, RunState
 from .config import actor_refusals
 from .log import logger
 from .old_logprobs import OldLogprobs
+from .processes import all_reduce, refusals_of_every_process
 from .training import TikOutput, micro_batch_logprobs
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-
 
 def log_tik_stats(**values: float) -> None:
     """Scalars under ``tik/`` in AReaL's default stats tracker (exported to W&B each step)."""
@@ -174,13 +172,25 @@ class TikFSDPPPOActor(FSDPPPOActor):
             logger.warning("areal-tik: log-prob reuse refused, old log-probs are recomputed as AReaL "
                            "does without the flag. Reasons: %s", "; ".join(self.tik_state.refusals))
 
+    def _share_refusals(self) -> None:
+        """Every process takes every process's refusals (``refusals_of_every_process``)."""
+        state = self.tik_state
+        every = refusals_of_every_process(state.refusals, self.cpu_group)
+        if every != state.refusals:
+            state.refusals[:] = every
+            logger.warning("areal-tik: log-prob reuse refused on every training process, as another "
+                           "refused it. Reasons: %s", "; ".join(every))
+
     def connect_engine(self, engine, meta):
-        if not (self.tik_enabled and is_in_process_engine(engine)):
-            if self.tik_flag and not is_tik_engine(engine):
-                self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
-            elif self.tik_enabled and hasattr(engine, "server_kernels"):
-                self.tik_refuse([f"areal-tik server {addr} runs {kind!r} kernels, not 'unified'"
-                                 for addr, kind in engine.server_kernels().items() if kind != "unified"])
+        in_process = self.tik_enabled and is_in_process_engine(engine)
+        if self.tik_flag and not is_tik_engine(engine):
+            self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
+        elif self.tik_enabled and not in_process and hasattr(engine, "server_kernels"):
+            self.tik_refuse([f"areal-tik server {addr} runs {kind!r} kernels, not 'unified'"
+                             for addr, kind in engine.server_kernels().items() if kind != "unified"])
+        if self.tik_flag:  # every training process connects once: one reuse decision for all
+            self._share_refusals()
+        if not in_process:
             # areal-tik servers take AReaL's own weight updates (disk or NCCL broadcast)
             return super().connect_engine(engine, meta)
         self.rollout_engine = engine
@@ -326,11 +336,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
     def _all_reduce(self, values: list[float], op: str) -> list[float]:
         """Reduce over the training processes (gloo), so every rank takes the same branch
         and issues the same FSDP collectives."""
-        if not dist.is_initialized() or dist.get_world_size(self.cpu_group) == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.cpu_group)
-        return t.tolist()
+        return all_reduce(values, op, self.cpu_group)
 
     def _prepare_old_logprobs(self, batch: list[dict]) -> None:
         """Reuse, audit and fallback for one step's rollout batch (``old_logprobs``)."""
