@@ -28,6 +28,7 @@ from .old_logprobs import OldLogprobs
 from .processes import all_reduce, refusals_of_every_process
 from .training import TikOutput, micro_batch_logprobs
 
+
 def log_tik_stats(**values: float) -> None:
     """Scalars under ``tik/`` in AReaL's default stats tracker (exported to W&B each step)."""
     tracker = stats_tracker.DEFAULT_TRACKER
