@@ -1,16 +1,21 @@
 """GRPO on a reasoning-gym task (offline data, task's own scorer) with AReaL's PPOTrainer.
 
-    areal-tik launch recipes/reasoning_gym_grpo.py \
+    python3 -m areal.infra.launcher.local recipes/reasoning_gym_grpo.py \
         --config recipes/chain_sum_grpo_tiny_cpu.yaml [key=value ...]
 
-A stock AReaL script in all but the dataset: the areal-tik flag lives in the YAML.
+(or ``areal-tik launch`` in place of AReaL's launcher; Ray and Slurm alike). A stock AReaL
+script in all but the dataset and the one ``activate()`` call: the flag lives in the YAML.
 """
 import sys
 
-from areal import PPOTrainer
-from areal.api.cli_args import load_expr_config
+from areal_tik.adapter.launch import activate
 
-from areal_tik.adapter.tasks import ReasoningGymGRPOConfig, rl_dataset
+activate()  # before AReaL builds anything: the areal-tik patches in every trainer process
+
+from areal import PPOTrainer  # noqa: E402
+from areal.api.cli_args import load_expr_config  # noqa: E402
+
+from areal_tik.adapter.tasks import ReasoningGymGRPOConfig, rl_dataset  # noqa: E402
 
 
 def main(args):

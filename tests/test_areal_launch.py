@@ -29,6 +29,24 @@ def test_launcher_usage_and_bad_script(tmp_path, capsys):
     assert patches.active() == []
 
 
+def test_activate_applies_the_patch_list_once(monkeypatch):
+    """An entry script's ``activate()`` under AReaL's launchers (RANK set by them): the
+    patch list for the process; a no-op where ``areal-tik launch`` has applied it."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("AREAL_SPMD_MODE", raising=False)  # the launchers set it; not activate()
+    with apply_patches():
+        assert launch.activate() is None and patches.active() == ["areal"]
+    assert patches.active() == []
+    handle = launch.activate()
+    try:
+        assert patches.active() == ["areal"] and launch.activate() is None
+        assert "AREAL_SPMD_MODE" not in os.environ
+    finally:
+        handle.revert()
+    assert patches.active() == []
+
+
 def test_inprocess_engine_needs_spmd_mode(tmp_path, monkeypatch):
     from areal import PPOTrainer
 

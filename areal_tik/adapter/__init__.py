@@ -6,7 +6,10 @@ Usage (AReaL is not forked; a stock entry script runs unchanged)::
     # my.yaml: actor.unified_kernels: true (+ actor.tik_* options), a tik: block for the engine
 
 or, in your own script, ``handle = areal_tik.adapter.apply_patches()`` before building
-the trainer, and a config class derived from ``TikGRPOConfig``.
+the trainer, and a config class derived from ``TikGRPOConfig``. An entry script that
+calls ``areal_tik.adapter.launch.activate()`` at import runs under AReaL's own launchers
+(``python3 -m areal.infra.launcher.local script.py --config my.yaml``; Ray, Slurm) with
+the patches in every trainer process.
 
 Named ``adapter`` rather than ``areal``: a folder ``areal_tik/areal`` would shadow AReaL
 itself whenever ``areal_tik/`` lands on ``sys.path`` (running a file of the package as a

@@ -25,9 +25,8 @@ from .audit import REACTIONS, RunState
 from .config import actor_refusals
 from .log import logger
 from .old_logprobs import OldLogprobs
+from .processes import all_reduce, refusals_of_every_process
 from .training import TikOutput, micro_batch_logprobs
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 def log_tik_stats(**values: float) -> None:
@@ -77,6 +76,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
         self.old_logprobs: OldLogprobs | None = None
         self._tik_first_minibatch = False
         self._tik_audit_minibatch = True  # this step's first minibatch is an audit
+        self._tik_first_tally = [0.0, 0.0, 0.0]  # its tokens, identical tokens, max |delta| here
 
     @property
     def tik_flag(self) -> bool:
@@ -173,13 +173,25 @@ class TikFSDPPPOActor(FSDPPPOActor):
             logger.warning("areal-tik: log-prob reuse refused, old log-probs are recomputed as AReaL "
                            "does without the flag. Reasons: %s", "; ".join(self.tik_state.refusals))
 
+    def _share_refusals(self) -> None:
+        """Every process takes every process's refusals (``refusals_of_every_process``)."""
+        state = self.tik_state
+        every = refusals_of_every_process(state.refusals, self.cpu_group)
+        if every != state.refusals:
+            state.refusals[:] = every
+            logger.warning("areal-tik: log-prob reuse refused on every training process, as another "
+                           "refused it. Reasons: %s", "; ".join(every))
+
     def connect_engine(self, engine, meta):
-        if not (self.tik_enabled and is_in_process_engine(engine)):
-            if self.tik_flag and not is_tik_engine(engine):
-                self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
-            elif self.tik_enabled and hasattr(engine, "server_kernels"):
-                self.tik_refuse([f"areal-tik server {addr} runs {kind!r} kernels, not 'unified'"
-                                 for addr, kind in engine.server_kernels().items() if kind != "unified"])
+        in_process = self.tik_enabled and is_in_process_engine(engine)
+        if self.tik_flag and not is_tik_engine(engine):
+            self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
+        elif self.tik_enabled and not in_process and hasattr(engine, "server_kernels"):
+            self.tik_refuse([f"areal-tik server {addr} runs {kind!r} kernels, not 'unified'"
+                             for addr, kind in engine.server_kernels().items() if kind != "unified"])
+        if self.tik_flag:  # every training process connects once: one reuse decision for all
+            self._share_refusals()
+        if not in_process:
             # areal-tik servers take AReaL's own weight updates (disk or NCCL broadcast)
             return super().connect_engine(engine, meta)
         self.rollout_engine = engine
@@ -261,10 +273,14 @@ class TikFSDPPPOActor(FSDPPPOActor):
             self._tik_first_minibatch = False
 
     def train_batch(self, *args, **kwargs):
+        first = self._tik_first_minibatch
         try:
-            return super().train_batch(*args, **kwargs)
+            out = super().train_batch(*args, **kwargs)
         finally:
             self._tik_first_minibatch = False  # the optimizer has stepped
+        if first:  # every process trains the same number of minibatches: a collective point
+            self._judge_first_minibatch()
+        return out
 
     @torch.no_grad()
     def compute_advantages(self, data, *args, **kwargs):
@@ -286,13 +302,26 @@ class TikFSDPPPOActor(FSDPPPOActor):
         result = compare_bits([reference.reshape(-1)], [logprobs.reshape(-1)], [mask])
         log_tik_stats(first_minibatch_exact_fraction=result.fraction_identical,
                       first_minibatch_max_abs_log_ratio=result.max_abs_delta)
+        self.tik_state.first_minibatch_exact.append(result.fraction_identical)
+        if self._tik_audit_minibatch:
+            tally = self._tik_first_tally
+            tally[0] += result.num_tokens
+            tally[1] += result.num_identical
+            tally[2] = max(tally[2], result.max_abs_delta)
+
+    def _judge_first_minibatch(self) -> None:
+        """One verdict on the first minibatch for all training processes: the counts are
+        summed (and the largest delta taken) over them, so a differing bit on one process
+        makes every process react together (a lone fallback would leave the others
+        skipping the recompute pass whose FSDP collectives it then waits for)."""
+        tally, self._tik_first_tally = self._tik_first_tally, [0.0, 0.0, 0.0]
+        n_tokens, n_equal = self._all_reduce(tally[:2], "sum")
+        (max_delta,) = self._all_reduce(tally[2:], "max")
         state = self.tik_state
-        state.first_minibatch_exact.append(result.fraction_identical)
-        if result.conclusive and not result.identical and state.reuse_active and self._tik_audit_minibatch:
-            state.react(f"first minibatch at weights version {self.get_version()}: "
-                        f"{result.num_tokens - result.num_identical} of {result.num_tokens} log-probs of "
-                        f"the training forward differ from the old log-probs (max |delta| "
-                        f"{result.max_abs_delta:.3g})")
+        if n_tokens > n_equal and state.reuse_active:
+            state.react(f"first minibatch at weights version {self.get_version()}: {int(n_tokens - n_equal)} of "
+                        f"{int(n_tokens)} log-probs of the training forward differ from the old log-probs "
+                        f"(all training processes; max |delta| {max_delta:.3g})")
             log_tik_stats(mismatches=float(state.mismatches))
             if state.fallback_reason is not None:
                 self._recompute_from_now_on()
@@ -308,11 +337,7 @@ class TikFSDPPPOActor(FSDPPPOActor):
     def _all_reduce(self, values: list[float], op: str) -> list[float]:
         """Reduce over the training processes (gloo), so every rank takes the same branch
         and issues the same FSDP collectives."""
-        if not dist.is_initialized() or dist.get_world_size(self.cpu_group) == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.cpu_group)
-        return t.tolist()
+        return all_reduce(values, op, self.cpu_group)
 
     def _prepare_old_logprobs(self, batch: list[dict]) -> None:
         """Reuse, audit and fallback for one step's rollout batch (``old_logprobs``)."""

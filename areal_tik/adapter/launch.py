@@ -9,6 +9,15 @@ and the config loader, so ``actor.unified_kernels: true`` in the YAML takes effe
 Processes run in AReaL's SPMD mode (``AREAL_SPMD_MODE=1``): one process per GPU, each
 with its own in-process engine; a single process gets RANK=0, WORLD_SIZE=1 and a free
 local port unless torchrun (or the caller) has set them.
+
+Without the wrapper, AReaL's own launchers start an entry script that calls
+``activate()`` (the shipped recipe script does)::
+
+    python3 -m areal.infra.launcher.local recipes/reasoning_gym_grpo.py --config my.yaml
+
+The local and Slurm launchers run the script under torchrun; Ray imports it and calls its
+``main(argv)``; all three set RANK/WORLD_SIZE/MASTER_* and ``AREAL_SPMD_MODE=1``, so
+the call at the script's import is the one mechanism for all three.
 """
 from __future__ import annotations
 
@@ -46,6 +55,25 @@ def quiet_trackers(environ=None) -> None:
     without overriding the caller's choice."""
     env = os.environ if environ is None else environ
     env.setdefault("WANDB_SILENT", "true")
+
+
+def activate():
+    """The areal-tik patches for the rest of this process, for an entry script that AReaL's
+    launchers start as the trainer: the patch list (once; a no-op under ``areal-tik
+    launch``, which has applied it), the Triton interpreter without a GPU, and a
+    one-process SPMD environment when no launcher has set RANK (a bare ``python3
+    script.py``). Returns the handle of the patch list applied here, or None."""
+    from areal_tik import patches
+
+    from . import patch_list
+
+    if "RANK" not in os.environ:
+        spmd_environment()
+    quiet_trackers()
+    use_interpreter_without_gpu()
+    if patch_list.NAME in patches.active():
+        return None
+    return patch_list.apply()  # never reverted: the process is the trainer
 
 
 def run_script(script: str, args: list[str]) -> None:
