@@ -18,6 +18,11 @@ from areal_tik.qualify import CACHE_ENV  # noqa: E402
 # and never writes to the user's cache.
 os.environ.setdefault(CACHE_ENV, str(Path(tempfile.mkdtemp(prefix="areal-tik-qualify-")) / "verdicts.json"))
 
+# Under pytest-xdist (README's `-n 2`) each worker owns one core: one intra-op thread per
+# worker, else two workers' thread pools oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def device():

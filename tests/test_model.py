@@ -154,7 +154,10 @@ def test_bitwise_check_detects_a_shape_dependent_op():
     require("unified")
     hf = tiny_hf("qwen3", False)
     m = UnifiedCausalLM.from_hf(hf, kernels=_RowCountDependentOps())
-    seqs = make_seqs((9,), m.spec.vocab, seed=5)
+    # 4 tokens: the packed reference sees 4 rows (> 2, the plain linear); the rollout's
+    # 2-row prefill and 2 decode steps at batch size 1 take the split (with 9 tokens every
+    # one of the 9 rollout rows differed, so 2 decode steps keep the check as sharp).
+    seqs = make_seqs((4,), m.spec.vocab, seed=5)
     ref = packed_rows(m, seqs)
     with torch.no_grad():
         rows = run_rollout(m, seqs, [2], block_size=16)  # decode at batch size 1
