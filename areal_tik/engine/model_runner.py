@@ -57,13 +57,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig):
+    def __init__(self, model, config: EngineConfig, tensor_parallel=None):
         self.model = model
         self.config = config
         self.device = model.device
         self.block_size = config.kv_block_size
         self._check_limits()
         num_blocks = config.num_kv_blocks or self._measure_num_blocks()
+        if tensor_parallel is not None:  # every rank's scheduler must see the same cache
+            num_blocks = tensor_parallel.min_int(num_blocks)
         self._check_num_blocks(num_blocks)
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
