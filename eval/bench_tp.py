@@ -117,7 +117,8 @@ def bench_model(name: str, args, group, device) -> dict | None:
         same_tok, same_bits, total = _bits_equal(parallel, single)
         training = consistency.compare(parallel, reference)
         tokens = args.batch * args.new_tokens
-        row = dict(model=f"tiny {TINY[name]}" if args.tiny else name, tp=group.size, k_groups=args.k_groups, batch=args.batch, new_tokens=args.new_tokens,
+        row = dict(model=f"tiny {TINY[name]}" if args.tiny else name, tp=group.size, k_groups=args.k_groups,
+                   batch=args.batch, new_tokens=args.new_tokens,
                    cuda_graphs=not args.eager, tokens=total, tokens_equal=same_tok,
                    logprob_bits_equal_tp1_engine=same_bits, logprob_bits_equal_training=training.num_identical,
                    bitwise_rate_training=training.num_identical / max(training.num_tokens, 1),
