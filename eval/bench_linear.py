@@ -2,6 +2,7 @@
 
 Usage (GPU, repo root):
     python3 -m eval.bench_linear [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
+    python3 -m eval.bench_linear --k-groups 8 [--out DIR_OR_CSV]   # the K-group tree's cost
 
 Times both implementations on the linear shapes of Qwen3-0.6B, Qwen3-1.7B and
 Llama-3.2-1B at 1..16384 tokens, prints the speed ratio (cuBLAS time / ours: >1 means
@@ -16,6 +17,12 @@ Python/launch cost leak into small-M numbers (the first run saw our M=1 time jum
 16 us to 46 us mid-run, for the same kernel and shape, while cuBLAS stayed at 10 us).
 Longer calls use ``triton.testing.do_bench`` (L2 cleared before every call), as does
 ``--timer events`` for everything.
+
+``--k-groups G`` times only the K-group tree (tensor-parallel row shards): ``linear``
+with k_groups = G vs 1 on the o_proj / down_proj shapes at 1, 64 and 4096 rows (the
+table's configs), i.e. what the tree costs a TP = 1 trainer, and one rank's
+``linear_partial`` of two ranks (K / 2 columns, G / 2 groups) beside them; it first checks
+that the two ranks' ``combine_partials`` equals the full kernel bit for bit.
 
 ``--sweep`` also times every invariance-proven tile geometry (``linear.linear_candidates``,
 both kernels) per token count on a few shapes, skipping geometries that cannot be
@@ -40,7 +47,7 @@ from eval.harness import event_us, graph_times, run_info, write_csv  # noqa: E40
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from areal_tik.unified_kernels import linear  # noqa: E402  (the function)
+from areal_tik.unified_kernels import bitwise_equal, combine_partials, linear, linear_partial  # noqa: E402
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
 
@@ -77,6 +84,8 @@ SWEEP_SHAPES = (  # (model, layer, K, N, tokens)
     ("qwen3-0.6b", "qkv", 1024, 4096, (1, 64, 256, 1024, 4096)),
     ("qwen3-0.6b", "lm_head", 1024, 151936, (1, 64, 1024)),
 )
+TREE_SHAPES = tuple(shape for shape in SHAPES if shape[1] in ("o", "down"))  # row-parallel under TP
+TREE_TOKENS = (1, 64, 4096)
 
 
 
@@ -136,6 +145,36 @@ def bench_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> list[dict]:
         for impl, res in timed.items():
             rows.append(_row(model, layer, k, n, m, impl, res, info,
                              cfg_name(cfg) if impl == "unified" else "", ratio))
+    return rows
+
+
+def bench_tree(k_groups: int, rep_ms, timer, info) -> list[dict]:
+    """linear with ``k_groups`` vs 1 (table configs), and one rank's partial of two ranks."""
+    rows = []
+    for model, layer, k, n in TREE_SHAPES:
+        half = k // 2
+        for m in TREE_TOKENS:
+            x, w = inputs(m, k, n)
+            shards = [(x[:, r * half:(r + 1) * half].contiguous(), w[:, r * half:(r + 1) * half].contiguous())
+                      for r in range(2)]
+            ranks = combine_partials([linear_partial(xs, ws, k_groups=k_groups // 2) for xs, ws in shards],
+                                     None, x.dtype)
+            assert bitwise_equal(ranks, linear(x, w, k_groups=k_groups)), f"{model}/{layer} M={m}: 2 ranks != full"
+            del x, w, shards, ranks
+            timed = {
+                "unified_g1": measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer),
+                f"unified_g{k_groups}": measure(lambda x, w: lambda: linear(x, w, k_groups=k_groups),
+                                                m, k, n, rep_ms, timer),
+                f"rank_partial_t2_g{k_groups // 2}": measure(
+                    lambda x, w: lambda: linear_partial(x, w, k_groups=k_groups // 2), m, half, n, rep_ms, timer),
+            }
+            plain, tree, part = (timed[key]["us"] for key in timed)
+            cfg = cfg_name(L.linear_config(m, n, k, torch.bfloat16))
+            print(f"{model:>13} {layer:>5} K={k:<5} N={n:<5} M={m:<5} G=1 {plain:8.1f} us  G={k_groups} "
+                  f"{tree:8.1f} us ({tree / plain:4.2f}x)  rank partial (K/2, G/2) {part:8.1f} us  {cfg}",
+                  flush=True)
+            for impl, res in timed.items():
+                rows.append(_row(model, layer, k if impl.startswith("unified") else half, n, m, impl, res, info, cfg))
     return rows
 
 
@@ -204,12 +243,19 @@ def main(argv=None) -> None:
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="graph: CUDA-graph replay for calls < 200 us (default); events: do_bench")
     parser.add_argument("--rep-ms", type=int, default=40, help="timing budget per case")
+    parser.add_argument("--k-groups", type=int, choices=(2, 4, 8), default=None,
+                        help="only time the K-group tree: k_groups = G vs 1 on o_proj / down_proj shapes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear needs a CUDA GPU")
     info, start = run_info(), time.time()
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}  "
           f"fixed tile: {L.FIXED_TILE}  timer: {args.timer}")
+    if args.k_groups is not None:
+        rows = bench_tree(args.k_groups, args.rep_ms, args.timer, info)
+        print(f"wrote {write_csv(rows, args.out, 'bench_linear_tree.csv')} ({len(rows)} rows) "
+              f"in {time.time() - start:.0f} s")
+        return
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if args.quick else (SHAPES, TOKENS)
     rows = []
     for model, layer, k, n in shapes:

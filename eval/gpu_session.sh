@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout bench_prefix
 #           stage deps grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
-#           bench_train bench_train_cache bench_layers
+#           bench_train bench_train_cache bench_layers linear_tree
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
@@ -38,11 +38,15 @@ run() {  # run NAME TIMEOUT CMD...
 }
 for s in $STAGES; do case $s in
   env) run env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"' ;;
-  tests) run tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/ ;;
+  tests) run tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/ --ignore=tests/test_linear_tree.py ;;
   bench_ops) run bench_linear 150 python3 -m eval.bench_linear --out "$W/csv"
              run bench_pointwise 90 python3 -m eval.bench_pointwise --out "$W/csv"
              run bench_logprob 60 python3 -m eval.bench_logprob --out "$W/csv" ;;
   sweep_linear) run sweep_linear 240 python3 -m eval.bench_linear --sweep --out "$W/csv" ;;
+  # The K-group tree (tensor-parallel row shards): its GPU proof (~150 Triton variants:
+  # apart from "tests" for its time), then its cost at TP = 1.
+  linear_tree) run linear_tree_tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/test_linear_tree.py
+               run bench_linear_tree 240 python3 -m eval.bench_linear --k-groups 8 --out "$W/csv" ;;
   bench_attn) run bench_attention 120 python3 -m eval.bench_attention --out "$W/csv" ;;
   probe_attn) run probe_attention 160 python3 -m eval.probe_attention ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached

@@ -10,6 +10,7 @@ computes its cache key with. Row and token counts cross 1, multiples of 16 and o
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -162,6 +163,34 @@ def test_warmup_covers_attention_packings(launches, lengths):
     launches.clear()
     _attention_packing(lengths, block_size)  # training, rollout prefill, paged prefill, decode
     assert launches and set(launches) <= warmed, set(launches) - warmed
+
+
+def test_warmup_covers_the_k_group_tree_and_partials(launches):
+    """A row-parallel weight warmed with its k_groups, and a rank's partial (fp32 output),
+    cover every later launch; k_groups = 1 warms exactly the keys of a plain entry."""
+    plain = U.WarmupShapes(linears=((24, 48, True),), norms=(32,), intermediates=(24,), heads=(4, 2, 16),
+                           lm_head=(300, 32))
+    U.warmup(plain, max_rows=40, device=DEVICE, workers=1, training=False, attention=False)
+    plain_keys = set(launches)
+    launches.clear()
+    U.warmup(dataclasses.replace(plain, linears=((24, 48, True, 1),)), max_rows=40, device=DEVICE, workers=1,
+             training=False, attention=False)
+    assert set(launches) == plain_keys
+    launches.clear()
+    tp = dataclasses.replace(plain, linears=((24, 48, True, 4),), partials=((24, 24, 2),))
+    counts = U.warmup(tp, max_rows=40, device=DEVICE, workers=1, training=False, attention=False)
+    assert counts["linear"] == 2 * len(W.linear_row_variants(24, 48, torch.bfloat16, 40))
+    warmed = set(launches)
+    w, b = _z(24, 48), _z(24)
+    for rows in (1, 3, 5, 16, 17, 33, 40):
+        launches.clear()
+        U.linear(_z(rows, 48), w, b, k_groups=4)
+        U.linear_partial(_z(rows, 24), w[:, :24].contiguous(), k_groups=2)
+        assert launches and set(launches) <= warmed, f"{rows} rows compile new keys: {set(launches) - warmed}"
+    with pytest.raises(ValueError, match="power of two .* got 3"):
+        dataclasses.replace(plain, linears=((24, 48, True, 3),))
+    with pytest.raises(ValueError, match="K = 20 .* k_groups = 8"):
+        dataclasses.replace(plain, partials=((24, 20, 8),))
 
 
 def test_warmup_on_worker_threads_runs_every_task(monkeypatch):

@@ -7,8 +7,15 @@ t ranks == ``linear(k_groups=G)`` for every t | G, G = 1 == today's linear, row
 invariance, and bad input. ``-m gpu`` proves every config and both kernels bit-equal at
 Qwen3-0.6B's row-parallel shapes.
 """
+import concurrent.futures
+import functools
 import importlib
-import warnings
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +24,7 @@ from triton.runtime.errors import OutOfResources
 from areal_tik.model.ops import get_ops
 from areal_tik.unified_kernels import combine_partials, linear, linear_partial
 from tests._bits import assert_bitwise, rel_err
-from tests.test_linear import _count_persistent_launches
+from tests.test_linear import _count_persistent_launches, forward_if_it_fits
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
 
@@ -89,16 +96,19 @@ def test_tree_matches_torch_reference_bitwise(dtype, k):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics (the GPU proof is -m gpu)")
 def test_every_config_and_both_kernels_follow_the_tree(monkeypatch):
-    x, w, b = _problem(37, 160, 40, torch.bfloat16, "cpu", seed=2)
-    block_k = L.linear_config(37, 40, 160, torch.bfloat16).block_k
+    """Every config, the persistent TMA kernel included where each group is whole
+    BLOCK_K blocks (else the tiled kernel runs it: a TMA box would straddle two groups)."""
     seen = _count_persistent_launches(monkeypatch)
     configs = L.linear_candidates(torch.bfloat16)
-    for k_groups in (2, 8):
-        expect = _reference(x, w, b, k_groups, block_k)
+    expected = 0
+    for k, k_groups in ((128, 8), (160, 2), (160, 8)):  # group widths 16, 80, 20 (BLOCK_K 16)
+        x, w, b = _problem(37, k, 40, torch.bfloat16, "cpu", seed=2)
+        expect = _reference(x, w, b, k_groups, L.linear_config(37, 40, k, torch.bfloat16).block_k)
         for cfg in configs:
             assert_bitwise(L.linear_forward(x, w, b, config=cfg, k_groups=k_groups), expect,
-                           f"G={k_groups} {cfg}")
-    assert seen["calls"] > 0
+                           f"K={k} G={k_groups} {cfg}")
+        expected += sum(cfg.persistent for cfg in configs) if (k // k_groups) % 16 == 0 else 0
+    assert seen["calls"] == expected > 0
 
 
 def test_negative_control_tree_differs_from_plain_chain(device):
@@ -147,13 +157,15 @@ def test_leading_dims_and_autograd(device):
 # ---------------------------------------------------------------- row invariance
 @pytest.mark.parametrize("k_groups", [2, 8])
 def test_rows_alone_equal_rows_in_batches(k_groups, device):
-    x, w, b = _problem(40, 160, 40, torch.bfloat16, device, seed=7)
-    alone = torch.cat([linear(x[i:i + 1], w, b, k_groups=k_groups) for i in range(40)])
-    alone_parts = torch.cat([linear_partial(x[i:i + 1], w, k_groups=k_groups) for i in range(40)])
-    for m in (2, 4, 5, 32, 33, 40):  # crosses the interpreter's row buckets (4, 32)
-        assert_bitwise(linear(x[:m], w, b, k_groups=k_groups), alone[:m], f"{m} rows")
-        assert_bitwise(linear(x[-m:], w, b, k_groups=k_groups), alone[-m:], f"last {m} rows")
-        assert_bitwise(linear_partial(x[:m], w, k_groups=k_groups), alone_parts[:m], f"partial, {m} rows")
+    x, w, b = _problem(35, 96, 40, torch.bfloat16, device, seed=7)  # G = 8: 12 columns, one masked block
+    probes = (0, 1, 3, 4, 31, 34)
+    alone = {r: linear(x[r:r + 1], w, b, k_groups=k_groups) for r in probes}
+    alone_parts = {r: linear_partial(x[r:r + 1], w, k_groups=k_groups) for r in probes}
+    for m in (2, 5, 33, 35):  # crosses the interpreter's row buckets (4, 32)
+        out, parts = linear(x[:m], w, b, k_groups=k_groups), linear_partial(x[:m], w, k_groups=k_groups)
+        for r in (r for r in probes if r < m):
+            assert_bitwise(out[r:r + 1], alone[r], f"row {r} of {m}")
+            assert_bitwise(parts[r:r + 1], alone_parts[r], f"partial row {r} of {m}")
 
 
 # ---------------------------------------------------------------- the standard kernel set
@@ -201,3 +213,174 @@ def test_bad_inputs(device):
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):
             call()
+
+
+# ---------------------------------------------------------------- GPU proof at real sizes
+GPU = "cuda"
+TP_SHAPES = [(2048, 1024), (3072, 1024)]  # (K, N): Qwen3-0.6B o_proj and down_proj
+TP_ROWS = (1, 17, 64, 1000, 4096)
+
+
+def _gpu_problem(m, k, n, seed, bias=True):
+    g = torch.Generator(device=GPU).manual_seed(seed)
+    x = torch.randn(m, k, device=GPU, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=GPU, generator=g) * k ** -0.5).to(torch.bfloat16)
+    b = torch.randn(n, device=GPU, generator=g).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+def _precompile(calls) -> None:
+    """Run ``calls`` once on 8 threads, as the warm-up does: Triton compiles outside the
+    GIL, so the ~40 variants per G compile side by side (errors surface in the checks)."""
+    with concurrent.futures.ThreadPoolExecutor(8, initializer=torch.cuda.set_device,
+                                               initargs=(torch.cuda.current_device(),)) as pool:
+        for future in [pool.submit(call) for call in calls]:
+            try:
+                future.result()
+            except OutOfResources:
+                pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", TP_SHAPES)
+@pytest.mark.parametrize("k_groups", [2, 4, 8])
+def test_gpu_every_config_and_both_kernels_equal_with_the_tree(k, n, k_groups, monkeypatch):
+    """Every table, fixed and candidate config, tiled and persistent, gives the tree's
+    bits: at 1000 rows (partial last row tiles) every config; at 17 rows (rows masked)
+    the table's; partials (fp32 output, other kernel keys) for the table's configs."""
+    table = tuple(dict.fromkeys(cfg for _, ladder in L.buckets(torch.bfloat16) for cfg, _, _ in ladder))
+    cases = [(m, configs, *_gpu_problem(m, k, n, seed=30 + m))
+             for m, configs in ((1000, L.linear_candidates(torch.bfloat16)), (17, table))]
+    calls = []
+    for _, configs, x, w, b in cases:
+        for cfg in configs:
+            calls.append(functools.partial(L.linear_forward, x, w, b, config=cfg, k_groups=k_groups))
+            if cfg in table:
+                calls.append(functools.partial(L.partial_forward, x, w, k_groups, config=cfg))
+    _precompile(calls)
+    persistent = _count_persistent_launches(monkeypatch)
+    for m, configs, x, w, b in cases:
+        base, base_partial = linear(x, w, b, k_groups=k_groups), linear_partial(x, w, k_groups=k_groups)
+        for cfg in configs:
+            out = forward_if_it_fits(x, w, b, cfg, table, k_groups=k_groups)
+            if out is None:
+                continue
+            assert_bitwise(out, base, f"G={k_groups} {m} rows {cfg}")
+            if cfg in table:
+                assert_bitwise(L.partial_forward(x, w, k_groups, config=cfg), base_partial,
+                               f"partial G={k_groups} {m} rows {cfg}")
+    assert persistent["calls"] > 0  # (K / G) % BLOCK_K == 0 here: the persistent configs ran TMA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", TP_SHAPES)
+def test_gpu_shards_and_rows_equal_the_full_tree(k, n):
+    """combine_partials over t = 2 and 4 ranks (each a contiguous K / t copy) == the full
+    kernel with the same G; every row count gives each row the bits it has alone."""
+    x, w, b = _gpu_problem(max(TP_ROWS), k, n, seed=40)
+    for k_groups in (2, 4, 8):
+        full = linear(x, w, b, k_groups=k_groups)
+        full_partial = linear_partial(x, w, k_groups=k_groups)
+        assert_bitwise(combine_partials([full_partial], b, x.dtype), full, f"G={k_groups} one rank")
+        for m in TP_ROWS:
+            assert_bitwise(linear(x[:m], w, b, k_groups=k_groups), full[:m], f"G={k_groups} first {m} rows")
+            assert_bitwise(linear(x[m - 1:m], w, b, k_groups=k_groups), full[m - 1:m], f"G={k_groups} row {m - 1}")
+            assert_bitwise(linear_partial(x[:m], w, k_groups=k_groups), full_partial[:m], f"partial, {m} rows")
+            for t in (2, 4):
+                if k_groups % t == 0:
+                    got = combine_partials(_shards(x[:m], w, t, k_groups), b, x.dtype)
+                    assert_bitwise(got, full[:m], f"G={k_groups} over {t} ranks, {m} rows")
+        del full, full_partial
+    exact = x.double() @ w.double().T + b.double()
+    assert rel_err(linear(x, w, b, k_groups=8), exact) < 1e-2
+
+
+# ---------------------------------------------------------------- the compiled GPU IR
+# The interpreter does not run Triton's MLIR passes (a combine pass rewrites dot(a, b, 0)
+# + c as dot(a, b, c)), so the tree is also checked where the GPU meets it: the Hopper
+# TTIR, built on this CPU (no device needed) in a process without the interpreter.
+_IR_SCRIPT = """
+import json, re, sys
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+import importlib
+L = importlib.import_module("areal_tik.unified_kernels.linear")
+common = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=False, INTERPRET=False, DOT_PRECISION="tf32")
+kernels = {
+    "tiled": (L._linear_fwd_kernel, {**{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
+              **{p: "i32" for p in ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_om")}},
+              dict(common, EVEN_K=True, MASK_ROWS=False)),
+    "persistent": (L._linear_fwd_persistent_kernel, {"x_desc": "tensordesc<bf16[64, 64]>",
+                   "w_desc": "tensordesc<bf16[128, 64]>", "out_desc": "tensordesc<bf16[64, 128]>", "b_ptr": "*bf16",
+                   "M": "i32", "N": "i32", "K": "i32"}, dict(common, NUM_PROGRAMS=132, SPLIT_EPILOGUE=False)),
+}
+target = GPUTarget("cuda", 90, 32)
+backend = CUDABackend(target)
+options = backend.parse_options({"num_warps": 4, "num_stages": 3})
+out = {}
+for name, (kernel, sig, consts) in kernels.items():
+    for groups in (1, 2, 4, 8):
+        c = dict(consts, K_GROUPS=groups)
+        src = ASTSource(kernel, {**sig, **{k: "constexpr" for k in c}}, c)
+        ctx = ir.context(); ir.load_dialects(ctx); backend.load_dialects(ctx)
+        mod = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+        stages = {}
+        backend.add_stages(stages, options, src.language)
+        text = re.sub(r"\\s*loc\\(#loc\\d*\\)", "", str(stages["ttir"](mod, {})))
+        out[f"{name}/{groups}"] = text
+json.dump(out, sys.stdout)
+"""
+
+
+def _ttir_by_kernel() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", _IR_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _reduction_of(ttir: str):
+    """The expression the rounded output is computed from: a leaf is one K-group chain (a
+    loop whose fp32 accumulator starts at the zero tile), a pair is one fp32 add."""
+    acc_type = "tensor<64x128xf32>"
+    zero = re.search(r"(%\S+) = arith.constant dense<0.000000e\+00> : " + re.escape(acc_type), ttir).group(1)
+    leaves, adds, dots = {}, {}, []
+    for line in ttir.splitlines():
+        loop = re.match(r"\s*(%[\w]+)(?::\d+)? = scf.for .*iter_args\((.*?)\) ->", line)
+        if loop and re.search(r"= " + re.escape(zero) + r"\b", loop.group(2)):
+            leaves[loop.group(1)] = len(leaves)
+        add = re.match(r"\s*(%\S+) = arith.addf (%\S+), (%\S+) : " + re.escape(acc_type), line)
+        if add:
+            adds[add.group(1)] = (add.group(2).rstrip(","), add.group(3))
+        dot = re.match(r"\s*%\S+ = tt.dot \S+, \S+, (%\S+),", line)
+        if dot:
+            dots.append(dot.group(1))
+    assert not set(dots) & set(adds), "a tree add was folded into a dot's accumulator"
+    root = re.search(r"arith.truncf (%\S+) : " + re.escape(acc_type), ttir).group(1)
+
+    def expr(value):
+        if value in adds:
+            return tuple(expr(v) for v in adds[value])
+        return leaves[value.split("#")[0]]
+
+    return expr(root), len(leaves), len(dots)
+
+
+def test_compiled_gpu_ir_follows_the_tree():
+    """Both kernels' Hopper TTIR, G = 1, 2, 4, 8: G chains (one dot each, from the zero
+    tile) and the output is the balanced tree of their sums, left to right, unfolded."""
+    for key, ttir in _ttir_by_kernel().items():
+        groups = int(key.split("/")[1])
+        tree, leaves, dots = _reduction_of(ttir)
+        assert (leaves, dots) == (groups, groups), key
+        assert tree == _nested(list(range(groups))), key
+
+
+def _nested(items):
+    """The balanced tree over ``items`` as nested pairs (a leaf is itself)."""
+    if len(items) == 1:
+        return items[0]
+    return (_nested(items[:len(items) // 2]), _nested(items[len(items) // 2:]))

@@ -20,6 +20,16 @@ warpgroups); the GPU contract test (tests/test_linear.py, ``-m gpu``) proves eve
 config, both kernels, bit-equal. ``AREAL_TIK_LINEAR_FIXED_TILE=1`` (or ``FIXED_TILE =
 True`` on this module) forces one config for every shape.
 
+K-group tree (tensor-parallel row shards; ``_ktree`` has the definition): with
+``k_groups`` G > 1 each kernel reduces K in G contiguous groups, each the chain above
+anchored at its group's start, combined by a fixed balanced tree in fp32 before the bias
+and the one rounding. ``linear_partial`` returns one K shard's subtree root unrounded
+(fp32 output, no bias) and ``combine_partials`` finishes the tree over the shards, so t
+ranks holding G / t groups each reproduce ``linear(k_groups=G)`` bit for bit. G = 1
+(the default) compiles to the same Triton IR as the plain chain. The persistent kernel
+takes G > 1 only when (K / G) % BLOCK_K == 0 (no TMA box across two groups); otherwise
+the tiled kernel runs the same config.
+
 Layout: x's leading dims are flattened with ``reshape`` (a copy only when they cannot be
 merged); the 2-D view's strides, and the weight's strides, go to the kernel, so a
 non-contiguous x or a transposed weight view needs no copy (such views, or any operand
@@ -45,7 +55,8 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_same_device, check_tensor, grad_mm, interpreting
-from ._ktree import check_k_groups, combine_partials, tree_sum
+from ._ktree import check_k_groups, combine_partials  # noqa: F401  (combine_partials: API of this module)
+from ._linear_chain import _tiled_group, _tiled_subtree, _tma_group, _tma_subtree
 
 try:  # host-side TMA descriptors (triton >= 3.3): no device scratch, no global allocator
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -249,17 +260,6 @@ def _round_out(acc, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _dot_step(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # acc + a @ b for one K block: the per-element chain every kernel and config shares.
-    if INTERPRET:
-        # fp64 makes each block's sum of bf16 products exact, so the result does not
-        # depend on the summation order numpy's matmul picks per block shape.
-        acc64 = tl.dot(a.to(tl.float64), b.to(tl.float64), acc.to(tl.float64), out_dtype=tl.float64)
-        return acc64.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     # Tile index -> (tile row, tile col) in L2-grouped order: GROUP_M tile rows share each
     # weight tile while it is hot. Order never affects numerics (one program per element).
@@ -274,16 +274,17 @@ def _linear_fwd_kernel(
     x_ptr,  # [M, K] activations, strides (stride_xm, stride_xk)
     w_ptr,  # [N, K] weight, strides (stride_wn, stride_wk)
     b_ptr,  # [N] contiguous bias (unused when HAS_BIAS is False)
-    out_ptr,  # [M, N] contiguous output, x.dtype
+    out_ptr,  # [M, N] contiguous output: x.dtype, or fp32 for unrounded partials
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask needed (same values loaded)
+    EVEN_K: tl.constexpr,  # (K / K_GROUPS) % BLOCK_K == 0: no K mask needed (same values loaded)
     MASK_ROWS: tl.constexpr,  # M < BLOCK_M (decode): skip reading the missing rows
     INTERPRET: tl.constexpr,  # CPU interpreter: its bf16 dot is wrong; dot in fp64
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (ignored for bf16)
+    K_GROUPS: tl.constexpr = 1,  # the K-group tree's G (1, 2, 4, 8); K % K_GROUPS == 0
 ):
     # Grid: one program per BLOCK_M x BLOCK_N output tile, 1-D, in L2-grouped order.
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -299,19 +300,18 @@ def _linear_fwd_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
 
-    # Reduction: K blocks 0, 1, 2, ... in order, fp32 accumulator, never split.
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K and not MASK_ROWS:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(x_ptrs, mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _dot_step(a, b, acc, INTERPRET, DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    # Reduction: each K group's blocks in order, fp32 accumulators, the groups' tree.
+    if K_GROUPS == 1:
+        group_k = K
+    else:
+        group_k = K // K_GROUPS
+    acc = _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk, 0,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
+    for level in tl.static_range(3):
+        if 2 ** level < K_GROUPS:
+            acc = acc + _tiled_subtree(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk,
+                                       2 ** level, 2 ** level,
+                                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
 
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]
@@ -334,23 +334,30 @@ def _linear_fwd_persistent_kernel(
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    K_GROUPS: tl.constexpr = 1,  # the K-group tree's G; > 1 only with (K / G) % BLOCK_K == 0
 ):
     # Grid: min(#SMs, #tiles) programs; program p computes tiles p, p + NUM_PROGRAMS, ...
-    # in the same L2-grouped order as the tiled kernel. flatten=True lets the pipeliner
-    # issue the next tile's first TMA loads while this tile's epilogue runs. Each tile's
-    # reduction is the tiled kernel's: K blocks 0, 1, 2, ... in order, one dot per block,
-    # zeros past K (TMA fills out-of-bounds boxes with zeros; out-of-bounds stores drop).
+    # in the same L2-grouped order as the tiled kernel. flatten=True (one group only) lets
+    # the pipeliner issue the next tile's first TMA loads while this tile's epilogue runs;
+    # with several groups there are several inner loops, which the flattener does not take.
+    # Each tile's reduction is the tiled kernel's: each group's K blocks in order, one dot
+    # per block, zeros past K (TMA zero-fills out-of-bounds boxes; out-of-bounds stores
+    # drop), then the groups' tree.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=K_GROUPS == 1):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            a = x_desc.load([off_m, kb * BLOCK_K])
-            b = w_desc.load([off_n, kb * BLOCK_K])
-            acc = _dot_step(a, b.T, acc, INTERPRET, DOT_PRECISION)
+        if K_GROUPS == 1:
+            group_k = K
+        else:
+            group_k = K // K_GROUPS
+        acc = _tma_group(x_desc, w_desc, off_m, off_n, group_k, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
+        for level in tl.static_range(3):
+            if 2 ** level < K_GROUPS:
+                acc = acc + _tma_subtree(x_desc, w_desc, off_m, off_n, group_k, 2 ** level, 2 ** level,
+                                         BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
         if HAS_BIAS:
             cols = off_n + tl.arange(0, BLOCK_N)
             acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -363,22 +370,23 @@ def _linear_fwd_persistent_kernel(
             out_desc.store([off_m, off_n], _round_out(acc, dtype, INTERPRET))
 
 
-def _launch_options(x2d, bias, cfg: TileConfig) -> dict:
+def _launch_options(x2d, bias, cfg: TileConfig, k_groups: int) -> dict:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                HAS_BIAS=bias is not None, INTERPRET=interpreting(),
+                HAS_BIAS=bias is not None, INTERPRET=interpreting(), K_GROUPS=k_groups,
                 DOT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _launch_tiled(x2d, weight, bias, out, cfg: TileConfig) -> None:
+def _launch_tiled(x2d, weight, bias, out, cfg: TileConfig, k_groups: int = 1) -> None:
     (M, K), N = x2d.shape, weight.shape[0]
     _linear_fwd_kernel[(triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)](
         x2d, weight, bias if bias is not None else out, out, M, N, K,
         x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        EVEN_K=K % cfg.block_k == 0, MASK_ROWS=M < cfg.block_m, **_launch_options(x2d, bias, cfg))
+        EVEN_K=(K // k_groups) % cfg.block_k == 0, MASK_ROWS=M < cfg.block_m,
+        **_launch_options(x2d, bias, cfg, k_groups))
 
 
-def _launch_persistent(x2d, weight, bias, out, cfg: TileConfig) -> None:
+def _launch_persistent(x2d, weight, bias, out, cfg: TileConfig, k_groups: int = 1) -> None:
     (M, K), N = x2d.shape, weight.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     sms = _CPU_PROGRAMS if interpreting() else _device_info(x2d.device.index or 0)[1]
@@ -390,11 +398,14 @@ def _launch_persistent(x2d, weight, bias, out, cfg: TileConfig) -> None:
         TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [bn, bk]),
         TensorDescriptor(out, [M, N], [N, 1], [bm, bn // 2 if split else bn]),
         bias if bias is not None else out, M, N, K,
-        NUM_PROGRAMS=sms, SPLIT_EPILOGUE=split, **_launch_options(x2d, bias, cfg))
+        NUM_PROGRAMS=sms, SPLIT_EPILOGUE=split, **_launch_options(x2d, bias, cfg, k_groups))
 
 
-def _launch(x2d, weight, bias, out, config: TileConfig | None) -> None:
-    """One launch into ``out`` (its dtype is the output dtype: x's, or fp32 for partials)."""
+def _forward_into(x2d, weight, bias, out, config: TileConfig | None, k_groups: int) -> torch.Tensor:
+    """One launch into ``out``: its dtype is the output's (x's, rounded once; or fp32,
+    unrounded partials). The persistent kernel runs where TMA can read the operands and,
+    with several K groups, no TMA box straddles two groups ((K / G) % BLOCK_K == 0);
+    otherwise the tiled kernel runs with the same tile (the same bits)."""
     M, K = x2d.shape
     N = weight.shape[0]
     tma = tma_compatible(x2d, weight)
@@ -404,23 +415,11 @@ def _launch(x2d, weight, bias, out, config: TileConfig | None) -> None:
         cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
     if bias is not None:
         bias = bias.contiguous()
-    if cfg.persistent and tma:
-        _launch_persistent(x2d, weight, bias, out, cfg)
+    if cfg.persistent and tma and (k_groups == 1 or (K // k_groups) % cfg.block_k == 0):
+        _launch_persistent(x2d, weight, bias, out, cfg, k_groups)
     else:
-        _launch_tiled(x2d, weight, bias, out, cfg)
-
-
-def _group_sums(x2d, weight, k_groups: int, config) -> list[torch.Tensor]:
-    """The fp32 chain of each K group, each from zero over its own blocks, unrounded."""
-    M, K = x2d.shape
-    width = K // k_groups
-    sums = []
-    for g in range(k_groups):
-        cols = slice(g * width, (g + 1) * width)
-        out = torch.empty((M, weight.shape[0]), dtype=torch.float32, device=x2d.device)
-        _launch(x2d[:, cols], weight[:, cols], None, out, config)
-        sums.append(out)
-    return sums
+        _launch_tiled(x2d, weight, bias, out, cfg, k_groups)
+    return out
 
 
 def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -429,22 +428,17 @@ def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
     ``config`` overrides the table (benchmarks and tests only: a different BLOCK_K
     changes the numerics). A persistent config whose operands TMA cannot read runs the
-    tiled kernel with the same tile shape. ``k_groups`` > 1: the K-group tree (see
-    ``_ktree``), bias after the tree, one rounding.
+    tiled kernel with the same tile shape. ``k_groups``: the K-group tree's G (validated).
     """
-    M, K = x2d.shape
-    N = weight.shape[0]
-    if k_groups > 1:
-        return combine_partials([tree_sum(_group_sums(x2d, weight, k_groups, config))], bias, x2d.dtype)
-    out = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
-    _launch(x2d, weight, bias, out, config)
-    return out
+    out = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype, device=x2d.device)
+    return _forward_into(x2d, weight, bias, out, config, k_groups)
 
 
 def partial_forward(x2d: torch.Tensor, weight: torch.Tensor, k_groups: int,
                     config: TileConfig | None = None) -> torch.Tensor:
     """The unrounded fp32 tree root over ``k_groups`` groups of validated ``x2d [M, K]``, no bias."""
-    return tree_sum(_group_sums(x2d, weight, k_groups, config))
+    out = torch.empty((x2d.shape[0], weight.shape[0]), dtype=torch.float32, device=x2d.device)
+    return _forward_into(x2d, weight, None, out, config, k_groups)
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ._common import FLOAT_DTYPES, interpreting
+from ._ktree import check_k_groups
 from ._attention_fwd import attention_config as _attention_config
 from .attention import attention_decode, attention_paged_prefill, attention_varlen, store_kv_cache
 
@@ -47,23 +48,33 @@ _INDEX_DTYPES = (torch.int32, torch.int64)  # positions / targets arrive as eith
 @dataclasses.dataclass(frozen=True)
 class WarmupShapes:
     """What a model launches. ``linears``: every distinct projection weight ``(N, K,
-    has_bias)``; ``norms``: RMSNorm widths (hidden, and head_dim for per-head q/k norms);
-    ``intermediates``: SwiGLU widths I; ``heads``: (q heads, kv heads, head_dim);
-    ``lm_head``: (V, H)."""
-    linears: tuple[tuple[int, int, bool], ...]
+    has_bias)``, or ``(N, K, has_bias, k_groups)`` for one run with the K-group tree
+    (row-parallel projections; k_groups 1 is the plain entry); ``partials``: ``(N, K,
+    k_groups)`` of each ``linear_partial`` a tensor-parallel rank runs on its K shard
+    (fp32 output: other kernel keys); ``norms``: RMSNorm widths (hidden, and head_dim for
+    per-head q/k norms); ``intermediates``: SwiGLU widths I; ``heads``: (q heads, kv
+    heads, head_dim); ``lm_head``: (V, H)."""
+    linears: tuple[tuple, ...]
     norms: tuple[int, ...]
     intermediates: tuple[int, ...]
     heads: tuple[int, int, int]
     lm_head: tuple[int, int]
     dtype: torch.dtype = torch.bfloat16
+    partials: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {self.dtype}")
-        ints = [v for n, k, _ in self.linears for v in (n, k)] + list(self.norms)
-        ints += list(self.intermediates) + list(self.heads) + list(self.lm_head)
+        if any(len(entry) not in (3, 4) for entry in self.linears) or any(len(p) != 3 for p in self.partials):
+            raise ValueError(f"linears are (N, K, has_bias[, k_groups]) and partials (N, K, k_groups), got {self}")
+        ints = [v for entry in self.linears for v in entry[:2]] + [v for p in self.partials for v in p[:2]]
+        ints += list(self.norms) + list(self.intermediates) + list(self.heads) + list(self.lm_head)
         if not self.linears or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in ints):
             raise ValueError(f"every shape must be a positive int (and linears non-empty), got {self}")
+        for entry in self.linears:
+            check_k_groups(entry[3] if len(entry) == 4 else 1, entry[1])
+        for _, k, groups in self.partials:
+            check_k_groups(groups, k)
         hq, hk, _ = self.heads
         if hq % hk:
             raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
@@ -79,15 +90,22 @@ def linear_row_variants(n: int, k: int, dtype: torch.dtype, max_rows: int, tma: 
     return sorted(variants.values())
 
 
-def warm_linear(linears, max_rows: int, dtype, device) -> list[Callable]:
-    """Forward at every row variant of every weight (the backward is cuBLAS: nothing to compile)."""
+def warm_linear(linears, max_rows: int, dtype, device, partials=()) -> list[Callable]:
+    """Forward at every row variant of every weight (the backward is cuBLAS: nothing to
+    compile), with its k_groups; and each partial (fp32 output) likewise. K_GROUPS is a
+    constexpr of the key: k_groups 1 launches exactly the keys of a plain entry."""
     tasks = []
-    for n, k, has_bias in dict.fromkeys(linears):
+    entries = [(n, k, has_bias, rest[0] if rest else 1, False) for n, k, has_bias, *rest in linears]
+    entries += [(n, k, False, groups, True) for n, k, groups in partials]
+    for n, k, has_bias, groups, partial in dict.fromkeys(entries):
         w = torch.zeros(n, k, dtype=dtype, device=device)
         b = torch.zeros(n, dtype=dtype, device=device) if has_bias else None
         x = torch.zeros(max_rows, k, dtype=dtype, device=device)
         for rows in linear_row_variants(n, k, dtype, max_rows, tma=_linear.tma_compatible(x, w)):
-            tasks.append(functools.partial(_linear.linear_forward, x[:rows], w, b))
+            if partial:
+                tasks.append(functools.partial(_linear.partial_forward, x[:rows], w, groups))
+            else:
+                tasks.append(functools.partial(_linear.linear_forward, x[:rows], w, b, k_groups=groups))
     return tasks
 
 
@@ -223,7 +241,7 @@ def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True
         raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
     dtype = shapes.dtype
     tasks = {
-        "linear": warm_linear(shapes.linears, max_rows, dtype, device),
+        "linear": warm_linear(shapes.linears, max_rows, dtype, device, shapes.partials),
         "rms_norm": warm_norms(shapes.norms, dtype, device, training),
         "swiglu": warm_swiglu(shapes.intermediates, dtype, device, training),
         "rope": warm_rope(shapes.heads, dtype, device, training),
