@@ -169,3 +169,23 @@ def test_servers_with_another_k_groups_or_kernel_set_refuse_reuse_by_name():
         "areal-tik server b:2's k_groups=1 differs from actor.tik_k_groups=4: o_proj / down_proj sum "
         "their K groups in another tree, so the rollout log-probs are not the trainer's bits"]
     assert server_refusals({"a:1": {"kernels": "unified", "k_groups": 1}}, 1) == []
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tensor-parallel-size", "2", "--k-groups", "2"], ["--tensor-parallel-size 2", "TP = 1"]),
+    (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2 does not divide k_groups (1)"]),
+    (["--k-groups", "3"], ["k_groups must be one of (1, 2, 4, 8), got 3"]),
+])
+def test_serve_flags_come_from_the_engine_config_and_refuse_tensor_parallelism(flags, words):
+    import argparse
+
+    from areal_tik.adapter import server
+    from areal_tik.errors import UsageError
+
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    args = parser.parse_args(["--model", "unused", *flags])
+    with pytest.raises(UsageError) as info:
+        server.check_args(args)
+    for word in words:
+        assert word in str(info.value)
