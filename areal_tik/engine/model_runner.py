@@ -60,6 +60,7 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, tensor_parallel=None):
         self.model = model
         self.config = config
+        self.tensor_parallel = tensor_parallel
         self.device = model.device
         self.block_size = config.kv_block_size
         self._check_limits()
@@ -323,13 +324,24 @@ class ModelRunner:
         sizes = cfg.cuda_graph_sizes or graph_buckets(cfg.graph_batch_limit)
         dev = self.device
         self._graph_outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        try:
-            with torch.inference_mode():
-                for bs in reversed(sizes):
+        pool = failure = None
+        ok = True
+        with torch.inference_mode():
+            for bs in reversed(sizes):
+                try:
                     pool = self._capture_one(bs, pool)
-        except RuntimeError as exc:  # e.g. an op that syncs or allocates outside the pool
-            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {exc}", RuntimeWarning, stacklevel=2)
+                except RuntimeError as exc:  # e.g. an op that syncs or allocates outside the pool
+                    failure = exc
+                # Tensor parallel: a bucket's warm-up decode gathers across ranks, so every rank
+                # captures the same buckets, or none does (a rank alone going on would hang).
+                ok = failure is None
+                if self.tensor_parallel is not None:
+                    ok = bool(self.tensor_parallel.min_int(int(ok)))
+                if not ok:
+                    break
+        if not ok:
+            why = failure if failure is not None else "it failed on another tensor-parallel rank"
+            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {why}", RuntimeWarning, stacklevel=2)
             self.graphs.clear()
             self._graph_outputs.clear()
         self._buckets = sorted(self.graphs)
