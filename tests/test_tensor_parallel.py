@@ -15,6 +15,7 @@ from areal_tik.engine.tensor_parallel import Agreed, LocalView, StepAgreement, i
 from areal_tik.model import ModelSpec, UnifiedCausalLM, random_model, tiny_config
 from areal_tik.model.tensor_parallel import shard_model
 
+from ._bits import assert_bitwise
 from ._engine_utils import assert_bitwise_logprobs, assert_same_outputs, prompts_of
 from ._tp import run_ranks
 
@@ -37,25 +38,51 @@ def _model(case: str) -> UnifiedCausalLM:
     return UnifiedCausalLM.from_hf(_hf(case), k_groups=CASES[case][4])
 
 
+def _row_operands():
+    """fp32 operands of one row-parallel linear (fp32 out: no bf16 rounding hides a sum order)."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(shape, generator=gen) for shape in ((5, 64), (32, 64), (32,)))
+    return x, w, b
+
+
+def _rank_row_proj(model, k_groups: int) -> torch.Tensor:
+    """This rank's ``row_proj`` over its K slice of ``_row_operands``: the gathered tree."""
+    x, w, b = _row_operands()
+    shard = model.tensor_parallel
+    width = 64 // shard.size
+    module = torch.nn.Linear(width, 32)
+    module.weight = torch.nn.Parameter(w.narrow(1, shard.rank * width, width).clone())
+    module.bias = torch.nn.Parameter(b.clone())
+    with torch.no_grad():
+        return model.row_proj(model.ops)(x.narrow(1, shard.rank * width, width), module)
+
+
 def _rank(rank: int, size: int, init_method: str, case: str, update_seed: int | None):
-    """One rank: shard, generate, (optionally) update to other full weights and generate again."""
+    """One rank: shard, the row-parallel tree on fp32 operands, generate, (optionally)
+    update to other full weights and generate again."""
     config = EngineConfig(**ENGINE, tensor_parallel_size=size, k_groups=CASES[case][4])
     group = init_tensor_parallel(config, "cpu", init_method=init_method, rank=rank)
     try:
         model = shard_model(_model(case), group.rank, group.size, group.device_group)
+        row = _rank_row_proj(model, config.k_groups)
         with LLM(model, config, tensor_parallel=group) as llm:
             outputs = [llm.generate(PROMPTS, PARAMS)]
             if update_seed is not None:
                 llm.update_weights(_hf(case, update_seed))
                 outputs.append(llm.generate(PROMPTS, PARAMS))
-        return outputs
+        return row, outputs
     finally:
         dist.destroy_process_group()
 
 
 def _check_case(case: str, tmp_path, update_seed: int | None = None) -> None:
-    ranks = run_ranks(_rank, CASES[case][3], tmp_path, case, update_seed)
+    rows, ranks = zip(*run_ranks(_rank, CASES[case][3], tmp_path, case, update_seed))
     model = _model(case)
+    with torch.no_grad():  # the gathered fp32 tree == linear(k_groups=G) on one device, every rank
+        x, w, b = _row_operands()
+        whole = model.ops.linear(x, w, b, k_groups=model.k_groups)
+    for r, row in enumerate(rows):
+        assert_bitwise(row, whole, f"rank {r}'s row-parallel linear")
     with LLM(model, EngineConfig(**ENGINE, k_groups=model.k_groups)) as llm:
         single = llm.generate(PROMPTS, PARAMS)
     assert sum(len(o.token_ids) for o in single) == len(PROMPTS) * PARAMS.max_new_tokens
