@@ -216,3 +216,18 @@ def test_serve_flags_come_from_the_engine_config_and_refuse_tensor_parallelism(f
         server.check_args(args)
     for word in words:
         assert word in str(info.value)
+
+
+def test_start_up_compiles_the_tree_and_each_ranks_partials():
+    from areal_tik.engine.model_runner import warmup_shapes
+
+    def shapes(k_groups, rank=None):
+        model = UnifiedCausalLM.from_hf(random_model(tiny_config("qwen3"), seed=1), k_groups=k_groups)
+        return warmup_shapes(model if rank is None else shard_model(model, rank, 2, None))
+
+    # tiny qwen3: q/gate/up [64, 32], k/v [32, 32], o/down [32, 64]
+    assert shapes(1).linears == ((32, 32, False), (32, 64, False), (64, 32, False)) and not shapes(1).partials
+    assert shapes(4).linears == ((32, 32, False), (32, 64, False, 4), (64, 32, False))
+    rank = shapes(4, rank=1)  # half the heads and MLP columns; o/down: the rank's 2 of 4 groups
+    assert rank.linears == ((16, 32, False), (32, 32, False)) and rank.partials == ((32, 32, 2),)
+    assert rank.heads == (2, 1, 16) and rank.intermediates == (32,)

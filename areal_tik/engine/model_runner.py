@@ -38,16 +38,28 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 def warmup_shapes(model):
     """``WarmupShapes`` of a ``UnifiedCausalLM``: every projection weight (the LM head
-    aside), its norms, MLP width, heads and LM head."""
+    aside), its norms, MLP width, heads and LM head. o_proj / down_proj run the model's
+    K-group tree (``k_groups``): on one device a linear with it, on a tensor-parallel
+    rank the ``linear_partial`` of the rank's subtree (other kernel keys, so listed so)."""
     from areal_tik.unified_kernels import WarmupShapes
 
     spec, hf = model.config, model.hf_model
     lm = hf.get_output_embeddings().weight
-    linears = sorted({(m.out_features, m.in_features, m.bias is not None) for m in hf.modules()
-                      if isinstance(m, torch.nn.Linear) and m.weight is not lm})
+    groups = getattr(model, "k_groups", 1)
+    shard = getattr(model, "tensor_parallel", None)
+    ranks = 1 if shard is None else shard.size
+    linears, partials = set(), set()
+    for name, m in hf.named_modules():
+        if not isinstance(m, torch.nn.Linear) or m.weight is lm:
+            continue
+        entry = (m.out_features, m.in_features, m.bias is not None)
+        if name.endswith(("o_proj", "down_proj")) and ranks > 1:
+            partials.add((m.out_features, m.in_features, groups // ranks))
+        else:
+            linears.add(entry + (groups,) if name.endswith(("o_proj", "down_proj")) and groups > 1 else entry)
     norms = (spec.hidden, spec.head_dim) if spec.qk_norm else (spec.hidden,)
-    return WarmupShapes(tuple(linears), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),
-                        tuple(lm.shape), dtype=lm.dtype)
+    return WarmupShapes(tuple(sorted(linears)), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),
+                        tuple(lm.shape), dtype=lm.dtype, partials=tuple(sorted(partials)))
 
 
 @dataclass
