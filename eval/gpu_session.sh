@@ -8,6 +8,7 @@
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets); run dirs: $OUT/optimize_runs*.tgz
+#           bench_tp (needs 2 GPUs: TP = 2 vs TP = 1 rollout and the training forward, bits and tokens/s)
 # Each device call runs at most 10 minutes: pass the stages that fit.
 # AReaL's runtime dependencies are not on the GPU image: `bash scripts/gpu_wheels.sh`
 # builds parts of a tarball of their wheels (requirements/gpu-carry.txt; cp312 manylinux;
@@ -107,6 +108,11 @@ for s in $STAGES; do case $s in
                      --ops linear --budget-s linear=420 ;;
   # The same recipe twice on one persistent Triton cache: the second run must compile nothing
   # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
+  # Tensor-parallel rollout on 2 GPUs (Qwen3-1.7B, Llama-3.2-1B configs): bitwise rate vs
+  # TP = 1 engine and training forward, tokens/s; with CUDA graphs, then eager if that fails.
+  # TP_MODELS picks the models (one per call if both do not fit in 10 minutes).
+  bench_tp) run bench_tp 570 bash -c 'tp() { torchrun --standalone --nproc-per-node 2 -m eval.bench_tp \
+              --models ${TP_MODELS:-Qwen3-1.7B Llama-3.2-1B} --out "$0" "$@"; }; tp || tp --eager' "$W/csv" ;;
   bench_train_cache) ( export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
              run bench_train_run1 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
              run bench_train_run2 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ) ;;

@@ -131,6 +131,17 @@ def test_bad_option_values(load):
         load(["++rollout.tik_engine=remote"])
     with pytest.raises(ValueError, match="needs actor.unified_kernels=true"):
         load(["++actor.unified_kernels=false", "++rollout.tik_engine=inprocess"])
+    with pytest.raises(ValueError, match=r"tik_k_groups must be one of \(1, 2, 4, 8\), got 3"):
+        load(["++actor.tik_k_groups=3"])
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide k_groups"):
+        load(["++tik.tensor_parallel_size=2"])
+    with pytest.raises(ValueError, match="tik.tensor_parallel_size=2: the inprocess areal-tik engine"):
+        load(["++tik.tensor_parallel_size=2", "++tik.k_groups=2"])
+
+
+def test_same_k_groups_on_both_sides_keeps_reuse(load):
+    config = load(["++tik.k_groups=4", "++actor.tik_k_groups=4"])
+    assert reuse_refusals(config, vocab_size=256) == []
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -139,6 +150,8 @@ def test_bad_option_values(load):
     (["++rollout.tik_engine=off"], "not the areal-tik engine"),
     (["++actor.tik_reuse_logprobs=false"], "tik_reuse_logprobs is false"),
     (["++actor.tik_kernels=standard"], "not bitwise across regimes"),
+    (["++tik.k_groups=2"], "tik.k_groups=2 differs from actor.tik_k_groups=1"),
+    (["++actor.tik_k_groups=4"], "tik.k_groups=1 differs from actor.tik_k_groups=4"),
 ])
 def test_inexact_configs_refuse_reuse(load, overrides, reason):
     config = load(overrides)

@@ -275,6 +275,7 @@ def test_weight_update_by_broadcast_stages_buckets_then_applies_them_at_once(ser
     try:
         # the trainer's actor refuses reuse unless every server reports the unified kernels
         assert engine.server_kernels() == {url.removeprefix("http://"): "standard"}
+        assert engine.server_k_groups() == {url.removeprefix("http://"): 1}  # and its K-group tree
         before = post(url, "/generate", payload).json()["meta_info"]
         meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d1"),
                                 nccl_master_address="127.0.0.1", nccl_master_port=find_free_ports(1)[0],

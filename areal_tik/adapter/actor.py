@@ -22,7 +22,7 @@ from areal_tik.unified_kernels._common import interpreting
 
 from . import exactness
 from .audit import REACTIONS, RunState
-from .config import actor_refusals
+from .config import actor_refusals, server_refusals
 from .log import logger
 from .old_logprobs import OldLogprobs
 from .processes import all_reduce, refusals_of_every_process
@@ -127,7 +127,8 @@ class TikFSDPPPOActor(FSDPPPOActor):
                              f"got sequence/tensor parallel sizes {helper.sp_size}/{helper.tp_size}")
         refusals = []
         try:
-            self.tik_model = UnifiedCausalLM.from_hf(self.model, kernels=self.config.tik_kernels)
+            self.tik_model = UnifiedCausalLM.from_hf(self.model, kernels=self.config.tik_kernels,
+                                                     k_groups=self.config.tik_k_groups)
         except ValueError as exc:  # a model family the unified model does not implement
             refusals.append(f"the unified kernels do not support this model ({exc}); the actor runs "
                             "AReaL's stock forward")
@@ -186,9 +187,8 @@ class TikFSDPPPOActor(FSDPPPOActor):
         in_process = self.tik_enabled and is_in_process_engine(engine)
         if self.tik_flag and not is_tik_engine(engine):
             self.tik_refuse([f"rollout engine {type(engine).__name__} is not the areal-tik engine"])
-        elif self.tik_enabled and not in_process and hasattr(engine, "server_kernels"):
-            self.tik_refuse([f"areal-tik server {addr} runs {kind!r} kernels, not 'unified'"
-                             for addr, kind in engine.server_kernels().items() if kind != "unified"])
+        elif self.tik_enabled and not in_process and hasattr(engine, "server_health"):
+            self.tik_refuse(server_refusals(engine.server_health(), self.config.tik_k_groups))
         if self.tik_flag:  # every training process connects once: one reuse decision for all
             self._share_refusals()
         if not in_process:

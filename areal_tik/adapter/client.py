@@ -167,16 +167,24 @@ class TikRemoteInfEngine(TrainerFacingEngine):
         self.own_servers.append(self.backend.launch_server({**server_args, "host": "127.0.0.1", "port": port}))
         return f"127.0.0.1:{port}"
 
-    def server_kernels(self, timeout: float = 30.0) -> dict[str, str | None]:
-        """``{address: kernel set}`` as each server's /health reports it."""
+    def server_health(self, timeout: float = 30.0) -> dict[str, dict]:
+        """``{address: /health answer}`` of each server."""
         import json
         import urllib.request
 
         found = {}
         for addr in self.addresses:
             with urllib.request.urlopen(f"http://{addr}/health", timeout=timeout) as r:
-                found[addr] = json.loads(r.read()).get("kernels")
+                found[addr] = json.loads(r.read())
         return found
+
+    def server_kernels(self, timeout: float = 30.0) -> dict[str, str | None]:
+        """``{address: kernel set}`` as each server's /health reports it."""
+        return {addr: health.get("kernels") for addr, health in self.server_health(timeout).items()}
+
+    def server_k_groups(self, timeout: float = 30.0) -> dict[str, int | None]:
+        """``{address: k_groups}`` (the row-parallel K-group tree) as each server reports it."""
+        return {addr: health.get("k_groups") for addr, health in self.server_health(timeout).items()}
 
     def destroy(self):
         try:

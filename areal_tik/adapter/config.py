@@ -44,7 +44,7 @@ from areal.api.cli_args import (
     WandBConfig,
 )
 
-from areal_tik.engine.config import EngineConfig
+from areal_tik.engine.config import PARALLEL_SIZES, EngineConfig
 from areal_tik.runtime import KERNEL_SETS
 
 from .audit import REACTIONS
@@ -82,6 +82,12 @@ class TikPPOActorConfig(PPOActorConfig):
         metadata={"help": "Kernel set of the areal-tik model: 'unified' or 'standard' "
                           "(stock ops on the same code path; never reused).",
                   "choices": list(KERNEL_SETS)})
+    tik_k_groups: int = field(
+        default=1,
+        metadata={"help": "K groups of the training forward's o_proj / down_proj (their fixed fp32 "
+                          "tree, 1, 2, 4 or 8): must equal the rollout engine's tik.k_groups for "
+                          "its log-probs to be reused (a tensor-parallel rollout needs k_groups a "
+                          "multiple of its tensor_parallel_size)."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -95,6 +101,8 @@ class TikPPOActorConfig(PPOActorConfig):
             raise ValueError(f"actor.tik_on_mismatch must be one of {REACTIONS}, got {self.tik_on_mismatch!r}")
         if self.tik_kernels not in KERNEL_SETS:
             raise ValueError(f"actor.tik_kernels must be one of {KERNEL_SETS}, got {self.tik_kernels!r}")
+        if isinstance(self.tik_k_groups, bool) or self.tik_k_groups not in PARALLEL_SIZES:
+            raise ValueError(f"actor.tik_k_groups must be one of {PARALLEL_SIZES}, got {self.tik_k_groups!r}")
         if self.unified_kernels:
             _validate_actor(self)
 
@@ -236,6 +244,11 @@ def validate(config: TikPPOConfig) -> None:
             config.tik.check_kernels(config.actor.tik_kernels)
         except ValueError as exc:
             raise ValueError(f"tik.{exc}") from None
+        if config.tik.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tik.tensor_parallel_size={config.tik.tensor_parallel_size}: the {mode} areal-tik engine "
+                "of a training run is one process (TP = 1); tensor-parallel rollout runs as its own "
+                "SPMD processes (areal_tik.engine.tensor_parallel)")
     if mode == "server":
         if not config.actor.unified_kernels:
             raise ValueError("rollout.tik_engine='server' needs actor.unified_kernels=true")
@@ -268,6 +281,23 @@ def actor_refusals(actor: TikPPOActorConfig) -> list[str]:
     return reasons
 
 
+def k_groups_refusals(rollout: dict[str, int | None], trainer: int) -> list[str]:
+    """A reason for each rollout (``{name: its k_groups}``; None reads as 1) whose row-parallel
+    K-group tree differs from the trainer's ``actor.tik_k_groups``: other sums, other bits."""
+    return [f"{name}={groups or 1} differs from actor.tik_k_groups={trainer}: o_proj / down_proj sum "
+            "their K groups in another tree, so the rollout log-probs are not the trainer's bits"
+            for name, groups in rollout.items() if (groups or 1) != trainer]
+
+
+def server_refusals(health: dict[str, dict], trainer_k_groups: int) -> list[str]:
+    """Reasons in the servers' /health answers (``{address: answer}``): a kernel set other
+    than 'unified', a K-group tree other than the trainer's."""
+    reasons = [f"areal-tik server {addr} runs {h.get('kernels')!r} kernels, not 'unified'"
+               for addr, h in health.items() if h.get("kernels") != "unified"]
+    return reasons + k_groups_refusals({f"areal-tik server {addr}'s k_groups": h.get("k_groups")
+                                        for addr, h in health.items()}, trainer_k_groups)
+
+
 def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,
                    include_engine: bool = True) -> list[str]:
     """Why rollout log-probs cannot stand in for the recompute exactly ([] = they can).
@@ -287,6 +317,8 @@ def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,
     options = {name: getattr(g, name) for name in UNSUPPORTED if hasattr(g, name)}
     reasons += [f"gconfig.{name}={options[name]!r} is not implemented by the areal-tik engine"
                 for name in unsupported_set(options)]
+    if engine_mode(config) == "inprocess":  # servers report theirs (``server_refusals``)
+        reasons += k_groups_refusals({"tik.k_groups": config.tik.k_groups}, actor.tik_k_groups)
     if not g.greedy and g.temperature != actor.temperature:
         reasons.append(
             f"rollout temperature (gconfig.temperature={g.temperature}) differs from the "

@@ -24,7 +24,7 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
   ``LLM.update_weights``, once they cover every tensor of the model: no token is ever
   sampled from half-updated weights, and a bucket of another version drops what was
   staged (a failed partial update is never completed by its old tensors under a new tag).
-- ``GET /health`` (``{"status", "paused", "kernels", "prefix_cache"}``), ``GET /get_weight_version``
+- ``GET /health`` (``{"status", "paused", "kernels", "k_groups", "prefix_cache"}``), ``GET /get_weight_version``
   (``{"weight_version": int}``).
 
 ``areal-tik serve --model <path> --port N`` serves a checkpoint; the engine flags are
@@ -149,6 +149,7 @@ class TikServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "paused": self.llm.paused,
                                   "kernels": getattr(self.llm.model, "kernels", None),
+                                  "k_groups": getattr(self.llm.model, "k_groups", 1),
                                   "prefix_cache": self.llm.prefix_cache_stats})
 
     async def weight_version(self, request: web.Request) -> web.Response:
@@ -380,9 +381,14 @@ def check_args(args) -> None:
         raise UsageError(f"--dtype {args.dtype} is not served; use one of {SERVED_DTYPES} "
                          "(the bitwise contract is verified in those)")
     try:
-        dataclass_from_args(EngineConfig, args).check_kernels(args.kernels)
+        config = dataclass_from_args(EngineConfig, args)
+        config.check_kernels(args.kernels)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"bad engine option: {exc}") from None
+    if config.tensor_parallel_size != 1:
+        raise UsageError(f"--tensor-parallel-size {config.tensor_parallel_size}: `serve` runs one process "
+                         "(TP = 1); a tensor-parallel engine runs as SPMD processes, one per rank "
+                         "(areal_tik.engine.tensor_parallel)")
 
 
 def build_llm(args):
@@ -395,7 +401,7 @@ def build_llm(args):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = UnifiedCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device,
-                                            kernels=args.kernels)
+                                            kernels=args.kernels, k_groups=args.k_groups)
     config = dataclass_from_args(EngineConfig, args,
                                  max_model_len=min(args.max_model_len, model.spec.max_positions))
     config.check_kernels(model.kernels)

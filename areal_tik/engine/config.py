@@ -70,6 +70,16 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = _option(
         None, "Chunked prefill: prompt tokens one step computes, in the same step as the decode rows "
               "(None: whole prompts, in prefill-only steps). At least kv_block_size. Bits are unchanged.")
+    tensor_parallel_size: int = _option(
+        1, "Ranks of one tensor-parallel engine (1, 2, 4 or 8; one process each, every rank given the "
+           "same requests): heads, KV cache and MLP columns are split over them. Must divide the "
+           "model's query and KV heads and k_groups. Bits equal the TP = 1 training forward with the "
+           "same k_groups.")
+    k_groups: int = _option(
+        1, "K groups of the row-parallel linears (o_proj, down_proj): each group an fp32 chain, the "
+           "groups summed in a fixed binary tree (1, 2, 4 or 8; 1 is the plain K loop). A multiple "
+           "of tensor_parallel_size; the trainer must use the same value (actor.tik_k_groups) for "
+           "its log-probs to be reused.")
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -102,6 +112,7 @@ class EngineConfig:
             raise TypeError(f"compile_at_start must be a bool, got {self.compile_at_start!r}")
         _check_int("seed", self.seed)
         self._check_prefix_and_chunks()
+        self._check_parallel()
 
     def _check_prefix_and_chunks(self) -> None:
         if not isinstance(self.enable_prefix_caching, bool):
@@ -116,6 +127,24 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must hold one sequence of max_model_len={self.max_model_len} "
                              f"({need} blocks of {self.kv_block_size} with the scratch block), "
                              f"got {self.num_kv_blocks!r}")
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "k_groups"):
+            value = getattr(self, name)
+            _check_int(name, value, minimum=1)
+            if value not in PARALLEL_SIZES:
+                raise ValueError(f"{name} must be one of {PARALLEL_SIZES}, got {value!r}")
+        check_divides("k_groups", self.k_groups, self.tensor_parallel_size)
+
+    def check_model(self, spec) -> None:
+        """ValueError unless the tensor-parallel split fits the model ``spec`` (a
+        ``ModelSpec``): ``tensor_parallel_size`` divides the query and KV heads, and
+        ``k_groups`` the K of o_proj (query heads x head_dim) and of down_proj (the MLP
+        width), so that every group and every rank's slice is whole."""
+        check_divides("the model's query heads", spec.n_heads, self.tensor_parallel_size)
+        check_divides("the model's KV heads", spec.n_kv_heads, self.tensor_parallel_size)
+        check_divides("o_proj's K (query heads x head_dim)", spec.q_size, self.k_groups, "k_groups")
+        check_divides("down_proj's K (intermediate_size)", spec.intermediate, self.k_groups, "k_groups")
 
     # Derived limits are properties, never written back into the fields: a config built
     # from its defaults first and then given a YAML's values (OmegaConf does exactly that
@@ -151,6 +180,17 @@ class EngineConfig:
             raise ValueError(
                 f"kv_block_size={self.kv_block_size} is not a multiple of the unified attention "
                 f"kernel's KV tile ({tile} on this backend): use a multiple of {tile}")
+
+
+# Row-parallel K groups and tensor-parallel ranks: powers of two up to 8 (TP_DESIGN).
+PARALLEL_SIZES = (1, 2, 4, 8)
+
+
+def check_divides(what: str, value: int, divisor: int, divisor_name: str = "tensor_parallel_size") -> None:
+    """ValueError naming both numbers unless ``divisor`` divides ``value``."""
+    if value % divisor:
+        raise ValueError(f"{divisor_name}={divisor} does not divide {what} ({value}): use a "
+                         f"{divisor_name} in {[d for d in PARALLEL_SIZES if value % d == 0]}")
 
 
 def attention_kv_tile() -> int:

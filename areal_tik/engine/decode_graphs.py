@@ -67,17 +67,30 @@ class DecodeGraphs:
         key = (bucket, smallest_holding(self.widths, blocks))
         return key if key in self.graphs else None
 
-    def capture(self, decode, inputs_for, device: torch.device) -> None:
+    def capture(self, decode, inputs_for, device: torch.device, agree=None) -> None:
         """Capture every (bucket, width), largest first: ``decode(**inputs_for(bucket, width))``
-        runs the model's decode on the staging buffer's device views (the graph's inputs)."""
-        pool = None
-        try:
-            with torch.inference_mode():
-                for bs in reversed(self.sizes):
-                    for width in reversed(self.widths):
+        runs the model's decode on the staging buffer's device views (the graph's inputs).
+
+        ``agree(ok) -> bool`` (tensor parallel): whether every rank's capture succeeded. A
+        bucket's warm-up decode gathers across ranks, so every rank captures the same graphs
+        or none does (a rank going on alone would hang)."""
+        pool = failure = None
+        ok = True
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                for width in reversed(self.widths):
+                    try:
                         pool = self._capture_one(decode, inputs_for(bs, width), (bs, width), pool, device)
-        except RuntimeError as exc:  # e.g. an op that syncs or allocates outside the pool
-            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {exc}", RuntimeWarning, stacklevel=3)
+                    except RuntimeError as exc:  # e.g. an op that syncs or allocates outside the pool
+                        failure = exc
+                    ok = failure is None if agree is None else agree(failure is None)
+                    if not ok:
+                        break
+                if not ok:
+                    break
+        if not ok:
+            why = failure if failure is not None else "it failed on another tensor-parallel rank"
+            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {why}", RuntimeWarning, stacklevel=3)
             self.graphs.clear()
             self.outputs.clear()
         torch.cuda.synchronize(device)

@@ -28,6 +28,7 @@ from .progress import Progress
 from .scheduler import Scheduler
 from .sequence import GenerationOutput, Sequence
 from .step_loop import StepLoop
+from .tensor_parallel import StepAgreement, TensorParallelGroup, check_engine_model
 from .weight_update import apply_update, as_state_dict, missing_names, plan_update
 
 _LIVE: "weakref.WeakSet[LLM]" = weakref.WeakSet()
@@ -55,21 +56,32 @@ class LLM:
 
     ``LLM(model, EngineConfig(...))``; ``eos_token_ids`` overrides the ids read from the
     model's configs. Call ``close()`` (or use ``with``) to stop the engine thread.
+
+    Tensor parallelism (``config.tensor_parallel_size`` > 1): one ``LLM`` per rank, each
+    over the model sharded to its rank and the ``tensor_parallel`` group of
+    ``init_tensor_parallel``; give every rank the same requests in the same order (see
+    ``tensor_parallel.py``). Every rank returns the same outputs.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, *, eos_token_ids: tuple[int, ...] | None = None):
+    def __init__(self, model, config: EngineConfig | None = None, *, eos_token_ids: tuple[int, ...] | None = None,
+                 tensor_parallel: TensorParallelGroup | None = None):
         if config is None:
             config = EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        check_engine_model(model, config, tensor_parallel)
         self.model = model
         self.config = config
+        self.tensor_parallel = tensor_parallel
         self.vocab_size = model.config.vocab
-        self.runner = ModelRunner(model, config)
+        self.runner = ModelRunner(model, config, tensor_parallel)
         eos = model_eos_token_ids(model) if eos_token_ids is None else tuple(eos_token_ids)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(config, self.runner.block_manager, eos)
-        self.loop = StepLoop(self.scheduler, self.runner)
+        agreement = None if tensor_parallel is None else StepAgreement(tensor_parallel)
+        self.loop = StepLoop(self.scheduler, self.runner, agreement)
+        if agreement is not None:
+            self.loop.start()
         self._submit_lock = threading.Lock()    # request ids and sampling keys
         self._seq_ids = itertools.count()
         self._keys = random.Random(config.seed)
@@ -178,7 +190,7 @@ class LLM:
         """Raise what a partial ``update_weights(weights, strict=False)`` would raise (unknown
         names, shape or dtype mismatches); return the model's tensor names ``weights`` does
         not cover. Copies nothing."""
-        target, source = self._weight_target().state_dict(), as_state_dict(weights)
+        target, source = self._weight_target().state_dict(), self._local(weights)
         plan_update(target, source, strict=False)
         return missing_names(target, source)
 
@@ -196,7 +208,7 @@ class LLM:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         target = self._weight_target().state_dict()
-        pairs = plan_update(target, as_state_dict(weights), strict=strict)
+        pairs = plan_update(target, self._local(weights), strict=strict)
         with self.loop.between_steps():
             apply_update(pairs)
             hook = getattr(self.model, "on_weights_updated", None)
@@ -210,6 +222,12 @@ class LLM:
 
     def _weight_target(self) -> torch.nn.Module:
         return getattr(self.model, "hf_model", self.model)
+
+    def _local(self, weights):
+        """``weights`` (full-model names and shapes) as this rank holds them."""
+        source = as_state_dict(weights)
+        shard = getattr(self.model, "tensor_parallel", None)
+        return source if shard is None else shard.local_weights(source)
 
     # ------------------------------------------------------------------ validation
 

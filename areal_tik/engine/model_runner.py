@@ -30,16 +30,28 @@ logger = logging.getLogger(__name__)
 
 def warmup_shapes(model):
     """``WarmupShapes`` of a ``UnifiedCausalLM``: every projection weight (the LM head
-    aside), its norms, MLP width, heads and LM head."""
+    aside), its norms, MLP width, heads and LM head. o_proj / down_proj run the model's
+    K-group tree (``k_groups``): on one device a linear with it, on a tensor-parallel
+    rank the ``linear_partial`` of the rank's subtree (other kernel keys, so listed so)."""
     from areal_tik.unified_kernels import WarmupShapes
 
     spec, hf = model.config, model.hf_model
     lm = hf.get_output_embeddings().weight
-    linears = sorted({(m.out_features, m.in_features, m.bias is not None) for m in hf.modules()
-                      if isinstance(m, torch.nn.Linear) and m.weight is not lm})
+    groups = getattr(model, "k_groups", 1)
+    shard = getattr(model, "tensor_parallel", None)
+    ranks = 1 if shard is None else shard.size
+    linears, partials = set(), set()
+    for name, m in hf.named_modules():
+        if not isinstance(m, torch.nn.Linear) or m.weight is lm:
+            continue
+        entry = (m.out_features, m.in_features, m.bias is not None)
+        if name.endswith(("o_proj", "down_proj")) and ranks > 1:
+            partials.add((m.out_features, m.in_features, groups // ranks))
+        else:
+            linears.add(entry + (groups,) if name.endswith(("o_proj", "down_proj")) and groups > 1 else entry)
     norms = (spec.hidden, spec.head_dim) if spec.qk_norm else (spec.hidden,)
-    return WarmupShapes(tuple(linears), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),
-                        tuple(lm.shape), dtype=lm.dtype)
+    return WarmupShapes(tuple(sorted(linears)), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),
+                        tuple(lm.shape), dtype=lm.dtype, partials=tuple(sorted(partials)))
 
 
 @dataclass
@@ -73,13 +85,16 @@ class StepCounts:
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig):
+    def __init__(self, model, config: EngineConfig, tensor_parallel=None):
         self.model = model
         self.config = config
+        self.tensor_parallel = tensor_parallel
         self.device = model.device
         self.block_size = config.kv_block_size
         self._check_limits()
         num_blocks = config.num_kv_blocks or self._measure_num_blocks()
+        if tensor_parallel is not None:  # every rank's scheduler must see the same cache
+            num_blocks = tensor_parallel.min_int(num_blocks)
         self._check_num_blocks(num_blocks)
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
@@ -360,4 +375,6 @@ class ModelRunner:
         # are the graph's inputs, so a step's one staging copy feeds the replay.
         def decode(**inputs):
             return self.model.decode(cache=self.kv_cache, **inputs)
-        self.decode_graphs.capture(decode, self.decode_inputs.model_inputs, self.device)
+        tp = self.tensor_parallel
+        agree = None if tp is None else (lambda ok: bool(tp.min_int(int(ok))))
+        self.decode_graphs.capture(decode, self.decode_inputs.model_inputs, self.device, agree)

@@ -15,6 +15,10 @@ Any exception escaping a step (scheduler, model runner, postprocess, reaping, an
 breaks the engine: every registered request fails with that exception, and later
 submits and weight updates raise ``EngineBrokenError`` naming it. The KV cache and the
 scheduler's queues are in an unknown state after such an error, so nothing is retried.
+
+With an ``agreement`` (tensor parallelism, ``tensor_parallel.StepAgreement``) every loop
+iteration first agrees with the other ranks' loops on what to admit, abort and whether to
+step, so every rank runs the same steps; a rank that closes ends every rank's loop.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from concurrent.futures import Future, InvalidStateError
 import torch
 
 from .sequence import Sequence
+from .tensor_parallel import LocalView
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +52,13 @@ class EngineClosedError(RuntimeError):
 class StepLoop:
     """Runs ``scheduler`` and ``runner`` steps in a daemon thread; see the module docstring."""
 
-    def __init__(self, scheduler, runner):
+    def __init__(self, scheduler, runner, agreement=None):
         self.scheduler = scheduler
         self.runner = runner
+        self.agreement = agreement
+        self._held: dict[int, Sequence] = {}  # with an agreement: received, not yet admitted
+        self._received = 0                    # ids 0 .. _received - 1 have all arrived
+        self._early: set[int] = set()         # ids >= _received that arrived
         self.version = 0
         self.step_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -90,11 +99,21 @@ class StepLoop:
             self.check_usable()
             self._requests[seq.seq_id] = (seq, future)
             self._inbox.put(seq)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="areal-tik-engine", daemon=True)
-                self._thread.start()
+            self._start_locked()
         future.add_done_callback(self._note_cancel(seq.seq_id))
         return future
+
+    def start(self) -> None:
+        """Start the thread now (else the first request starts it). With an agreement every
+        rank's loop must run from the start: a closing rank waits for the others' loops."""
+        with self._state_lock:
+            self.check_usable()
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="areal-tik-engine", daemon=True)
+            self._thread.start()
 
     @contextlib.contextmanager
     def between_steps(self):
@@ -143,13 +162,14 @@ class StepLoop:
         try:
             if self.runner.device.type == "cuda":
                 torch.cuda.set_device(self.runner.device)  # kernels launch on the current device
-            while not self.closed:
-                self._iterate()
+            while self._iterate():
+                pass
         except BaseException as exc:  # noqa: BLE001 - any error breaks the engine, none hangs it
             self._resolve_done()  # requests that finished before the error keep their outputs
             self._break(exc)
 
-    def _iterate(self) -> None:
+    def _iterate(self) -> bool:
+        """One iteration; False once the loop should end."""
         item = None
         try:
             item = self._inbox.get(timeout=_IDLE_WAIT_S) if not self.scheduler.has_work() else None
@@ -159,20 +179,47 @@ class StepLoop:
             if item is not None:
                 self._admit(item)
             self._drain_inbox()
-            self._reap_cancelled()
-            if self.closed or not self._resumed.is_set() or not self.scheduler.has_work():
-                stepping = False
+            if self.agreement is None:
+                self._reap_cancelled()
+                go_on = not self.closed
+                stepping = go_on and self._resumed.is_set() and self.scheduler.has_work()
             else:
+                go_on, stepping = self._agree()
+            if stepping:
                 self._step()
-                stepping = True
         self._resolve_done()  # outside the lock: a callback may call pause, close or submit
-        if not stepping and self.scheduler.has_work() and not self.closed:
+        if not stepping and self.scheduler.has_work() and go_on:
             self._resumed.wait(timeout=_PAUSED_POLL_S)
+        return go_on
 
     def _admit(self, item) -> None:
-        if item is _WAKE or item.is_finished:  # a cancelled request reaped while queued
+        if item is _WAKE:
+            return
+        if self.agreement is not None:  # held until every rank has it (``_agree``)
+            self._held[item.seq_id] = item
+            self._early.add(item.seq_id)
+            while self._received in self._early:
+                self._early.remove(self._received)
+                self._received += 1
+            return
+        if item.is_finished:  # a cancelled request reaped while queued
             return
         self.scheduler.add(item)
+
+    def _agree(self) -> tuple[bool, bool]:
+        """(go on, step) as all ranks agreed; admits and aborts what they agreed on."""
+        agreed = self.agreement(LocalView(
+            received=self._received, cancelled=frozenset(self._cancelled),
+            ready=self._resumed.is_set() and not self.closed, closing=self.closed, version=self.version))
+        for seq_id in sorted(i for i in self._held if i < agreed.received):
+            seq = self._held.pop(seq_id)
+            if not seq.is_finished:
+                self.scheduler.add(seq)
+        self._reap_cancelled(agreed.cancelled)
+        if agreed.closing_ranks and not self.closed:
+            raise EngineClosedError(f"rank(s) {list(agreed.closing_ranks)} of the tensor-parallel "
+                                    "engine closed it")
+        return not agreed.closing_ranks, agreed.step and self.scheduler.has_work()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -215,10 +262,11 @@ class StepLoop:
                 self._cancelled.add(seq_id)
         return callback
 
-    def _reap_cancelled(self) -> None:
+    def _reap_cancelled(self, agreed: frozenset[int] | None = None) -> None:
+        """Abort the cancelled requests (with an agreement: those every rank cancelled)."""
         if not self._cancelled:
             return
-        ids = set(self._cancelled)
+        ids = set(self._cancelled) if agreed is None else self._cancelled & agreed
         self._cancelled.difference_update(ids)
         for seq_id in ids:
             with self._state_lock:

@@ -14,6 +14,11 @@ The stack's final ``add_rms_norm`` with the model norm closes the last residual 
 Regime-specific attention is a callable ``attend(q [T, Hq, D], k [T, Hk, D], v) ->
 [T, Hq, D]`` (varlen, store + varlen, or store + paged decode); everything else is the
 same code in every regime.
+
+The row-parallel projections (o_proj, down_proj) go through ``row_proj(x, module)``: on one
+device ``linear`` with the model's K-group tree (``row_parallel_proj``); on a
+tensor-parallel rank the rank's subtree, gathered and combined (``tensor_parallel.py``),
+the same bits.
 """
 from __future__ import annotations
 
@@ -24,10 +29,19 @@ import torch
 from .spec import ModelSpec
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+RowProj = Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]
 
 
 def _proj(ops, module, x):
     return ops.linear(x, module.weight, module.bias)
+
+
+def row_parallel_proj(ops, k_groups: int) -> RowProj:
+    """o_proj / down_proj on one device: ``linear`` over ``k_groups`` K groups summed in
+    the fixed binary tree (k_groups 1: the plain K loop, the call every projection makes)."""
+    if k_groups == 1:
+        return lambda x, module: _proj(ops, module, x)
+    return lambda x, module: ops.linear(x, module.weight, module.bias, k_groups=k_groups)
 
 
 def _head_norm(ops, norm, x, eps):
@@ -35,7 +49,7 @@ def _head_norm(ops, norm, x, eps):
     return ops.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, eps).view(x.shape)
 
 
-def attention_block(ops, spec: ModelSpec, attn, x, positions, cos, sin, attend: Attend):
+def attention_block(ops, spec: ModelSpec, attn, x, positions, cos, sin, attend: Attend, row_proj: RowProj):
     """Self-attention of normed ``x [T, hidden]``; returns the o_proj output ``[T, hidden]``."""
     rows = x.shape[0]
     q = _proj(ops, attn.q_proj, x).view(rows, spec.n_heads, spec.head_dim)
@@ -46,24 +60,25 @@ def attention_block(ops, spec: ModelSpec, attn, x, positions, cos, sin, attend: 
         k = _head_norm(ops, attn.k_norm, k, spec.eps)
     q, k = ops.apply_rope(q, k, positions, cos, sin)
     out = attend(q, k, v)
-    return _proj(ops, attn.o_proj, out.reshape(rows, spec.q_size))
+    return row_proj(out.reshape(rows, spec.q_size), attn.o_proj)
 
 
-def mlp_block(ops, mlp, x):
+def mlp_block(ops, mlp, x, row_proj: RowProj):
     """SwiGLU MLP. gate and up stay two linears over the separate HF weights (concatenating
     the weights would copy them on every call); their outputs are concatenated into the
     packed ``[T, 2I]`` input of ``silu_mul``: one activation copy, ~T*4I bytes, small next
     to the weight reads at decode sizes and next to the matmuls at training sizes."""
     gate_up = torch.cat([_proj(ops, mlp.gate_proj, x), _proj(ops, mlp.up_proj, x)], dim=-1)
-    return _proj(ops, mlp.down_proj, ops.silu_mul(gate_up))
+    return row_proj(ops.silu_mul(gate_up), mlp.down_proj)
 
 
-def decoder_layer(ops, spec: ModelSpec, layer, delta, residual, positions, cos, sin, attend: Attend):
+def decoder_layer(ops, spec: ModelSpec, layer, delta, residual, positions, cos, sin, attend: Attend,
+                  row_proj: RowProj):
     """One decoder layer: ``(delta, residual) -> (mlp_out, residual)``, HF semantics."""
     if delta is None:
         normed = ops.rms_norm(residual, layer.input_layernorm.weight, spec.eps)
     else:
         normed, residual = ops.add_rms_norm(delta, residual, layer.input_layernorm.weight, spec.eps)
-    attn_out = attention_block(ops, spec, layer.self_attn, normed, positions, cos, sin, attend)
+    attn_out = attention_block(ops, spec, layer.self_attn, normed, positions, cos, sin, attend, row_proj)
     normed, residual = ops.add_rms_norm(attn_out, residual, layer.post_attention_layernorm.weight, spec.eps)
-    return mlp_block(ops, layer.mlp, normed), residual
+    return mlp_block(ops, layer.mlp, normed, row_proj), residual

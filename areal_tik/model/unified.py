@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .kv_cache import KVCache
-from .layers import decoder_layer
+from .layers import decoder_layer, row_parallel_proj
 from .ops import get_ops
 from .spec import ModelSpec
+from .tensor_parallel import check_k_groups
 
 _MISSING = object()
 
@@ -63,11 +64,21 @@ def _check_int(name: str, t, ndim: int, dtypes=(torch.int64, torch.int32)) -> No
 
 
 class UnifiedCausalLM:
-    """A supported HF decoder run by one code path on the "unified" or "standard" ops."""
+    """A supported HF decoder run by one code path on the "unified" or "standard" ops.
 
-    def __init__(self, hf_model: torch.nn.Module, kernels="unified"):
+    ``k_groups``: the K groups of o_proj and down_proj, summed in the fixed tree that a
+    tensor-parallel rollout of any size dividing it reproduces (1: the plain K loop).
+    ``tensor_parallel`` is None, or the rank's ``TensorParallelShard`` once
+    ``tensor_parallel.shard_model`` has cut this model to one rank's heads and columns
+    (``spec`` then describes the rank's part, ``full_spec`` the whole model)."""
+
+    def __init__(self, hf_model: torch.nn.Module, kernels="unified", k_groups: int = 1):
         self.hf_model = hf_model
         self.spec = ModelSpec.from_hf_config(hf_model.config)
+        self.full_spec = self.spec
+        check_k_groups(self.spec, k_groups)
+        self.k_groups = k_groups
+        self.tensor_parallel = None
         self.ops = get_ops(kernels)
         self.kernels = self.ops.kind
         self.gradient_checkpointing = False
@@ -83,18 +94,22 @@ class UnifiedCausalLM:
         return self.spec
 
     @classmethod
-    def from_hf(cls, hf_model: torch.nn.Module, kernels="unified") -> "UnifiedCausalLM":
+    def from_hf(cls, hf_model: torch.nn.Module, kernels="unified", k_groups: int = 1) -> "UnifiedCausalLM":
         """Wrap ``hf_model`` in place (no parameter copies)."""
-        return cls(hf_model, kernels)
+        return cls(hf_model, kernels, k_groups)
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.bfloat16, device="cuda", kernels="unified"):
+    def from_pretrained(cls, path, dtype=torch.bfloat16, device="cuda", kernels="unified", k_groups: int = 1):
         """Load a local HF checkpoint dir or a ``.gguf`` file (see ``loading.load_hf_model``)."""
         from .loading import load_hf_model
-        return cls(load_hf_model(path, dtype=dtype, device=device), kernels)
+        return cls(load_hf_model(path, dtype=dtype, device=device), kernels, k_groups)
 
     def __repr__(self):
-        return f"UnifiedCausalLM(family={self.spec.family!r}, kernels={self.kernels!r}, dtype={self.dtype})"
+        extra = "" if self.k_groups == 1 else f", k_groups={self.k_groups}"
+        if self.tensor_parallel is not None:
+            extra += f", tensor_parallel={self.tensor_parallel.rank}/{self.tensor_parallel.size}"
+        return (f"UnifiedCausalLM(family={self.spec.family!r}, kernels={self.kernels!r}, "
+                f"dtype={self.dtype}{extra})")
 
     # ------------------------------------------------------------------ modules
 
@@ -146,11 +161,19 @@ class UnifiedCausalLM:
 
     # ------------------------------------------------------------------ the stack
 
+    def row_proj(self, ops):
+        """o_proj / down_proj over ``ops``: ``linear`` with the K-group tree, or on a
+        tensor-parallel rank its subtree gathered and combined (same bits)."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.row_proj(ops, self.k_groups)
+        return row_parallel_proj(ops, self.k_groups)
+
     def _layer_fn(self, layer, positions, cos, sin, attend):
         ops, spec = self.ops, self.spec
+        row_proj = self.row_proj(ops)
 
         def run(delta, residual):
-            return decoder_layer(ops, spec, layer, delta, residual, positions, cos, sin, attend)
+            return decoder_layer(ops, spec, layer, delta, residual, positions, cos, sin, attend, row_proj)
         return run
 
     def _checkpointing(self, layer) -> bool:
