@@ -28,8 +28,10 @@ def rss_mib() -> float:
     return pages * resource.getpagesize() / 2 ** 20
 
 
-def client(url: str, index: int, results: dict, errors: list) -> None:
+def client(url: str, index: int, results: dict, errors: list, updated: threading.Event) -> None:
     for k in range(PER_CLIENT):
+        if k == PER_CLIENT - 1:  # the last request of each client goes after the weight update
+            updated.wait(timeout=120)  # (so some tokens carry version 1 however the threads are scheduled)
         prompt = [3 + index, 40 + k, 7]
         try:
             r = post(url, "/generate", {"input_ids": prompt, "sampling_params": {
@@ -57,10 +59,11 @@ def test_concurrent_clients_interruptions_and_a_weight_update(tmp_path):
     url = f"http://{server.address}"
     results: dict = {}
     errors: list = []
+    updated = threading.Event()
     try:
         post(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})  # warm-up
         rss_before, start = rss_mib(), time.monotonic()
-        threads = [threading.Thread(target=client, args=(url, i, results, errors), daemon=True)
+        threads = [threading.Thread(target=client, args=(url, i, results, errors, updated), daemon=True)
                    for i in range(CLIENTS)]
         for t in threads:
             t.start()
@@ -73,6 +76,7 @@ def test_concurrent_clients_interruptions_and_a_weight_update(tmp_path):
             time.sleep(0.1)
             post(url, "/continue_generation", {})
         assert post(url, "/update_weights_from_disk", {"model_path": new_weights, "weight_version": 1}).ok
+        updated.set()
         for t in threads:
             t.join(timeout=120)
         wall = time.monotonic() - start

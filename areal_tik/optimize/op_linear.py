@@ -63,7 +63,7 @@ class LinearOp(Op):
     name = "linear"
     entry_points = ("forward",)
     signatures = ("forward(x2d [M, K] bf16, weight [N, K] bf16, bias None) -> out [M, N] bf16",)
-    kernel_files = ("linear.py", "_linear_chain.py", "_common.py")
+    kernel_files = ("linear.py", "_linear_chain.py", "_linear_tiles.py", "_common.py")
 
     def __init__(self, grid: str = "h200"):
         if grid not in ("h200", "tiny"):

@@ -1,0 +1,145 @@
+"""The unified linear's launch geometries: tile configs, the per-row-count ladders, the
+candidates the contract proves bit-equal, and the selection (``linear.linear_config``).
+
+Geometry only: every bf16 config here shares BLOCK_K and the wgmma family, so no entry
+changes a bit (the GPU contract test in tests/test_linear.py proves each one); the
+tables are what the search (areal_tik/optimize/op_linear.py) and eval/bench_linear.py
+--sweep re-tune.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from ._common import interpreting
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8  # rows of tiles per L2 group in the program order
+    persistent: bool = False  # persistent TMA kernel (falls back to tiled when TMA cannot run)
+    split_epilogue: bool = False  # persistent: store each tile as two BLOCK_N/2 halves
+
+
+def _cfg(bm, bn, warps, stages, kind="", block_k=64) -> TileConfig:
+    """A TileConfig; kind "P" is the persistent TMA kernel, "PS" that with a split epilogue."""
+    return TileConfig(bm, bn, block_k, num_warps=warps, num_stages=stages,
+                      persistent=kind.startswith("P"), split_epilogue=kind == "PS")
+
+
+def _rung(bm, bn, warps, stages, kind="", *, block_k=64, min_programs=128, per_sm=0) -> tuple:
+    """A ladder rung: (config, min_programs, per_sm). It fits a problem when the grid has
+    >= min_programs programs (tiles) and, if per_sm > 0, <= per_sm x #SMs (one wave)."""
+    return _cfg(bm, bn, warps, stages, kind, block_k), min_programs, per_sm
+
+
+# Buckets: ((max_rows, ladder), ...), the last with max_rows None. The first rung of the
+# ladder that fits the grid at the bucket's max rows (actual rows in the last bucket) and
+# this N is used, else the last rung. BLOCK_K is fixed per dtype (it sets the numerics).
+# bf16 on the H200 (132 SMs), from the first sweep (eager timing; us):
+#  <= 256 rows stream the weight: the time falls with the weight bytes in flight,
+#    #programs x BLOCK_N x BLOCK_K x (stages - 1): o (N=1024) M=1 64x16/s6 9.8, 64x32/s4
+#    13.3, 64x128/s3 19.0; up (N=6144) M=1 64x64/s6 15.3 (96 programs) ~ 64x16/s6 16.4
+#    (384). So: one wave of programs, each with the deepest pipeline that fits (~192 KiB
+#    shared memory for one program per SM, ~96 KiB for two), the widest tile that still
+#    gives >= 96 programs, else 64x16 (N <= 2048: 64..128 programs).
+#  <= 1024 rows: 64-wide tiles while 128x128 gives < 128 programs: up M=512 64x128 30.1 vs
+#    128x128 34.6; o M=1024 64x128/s4 15.8 vs 128x128 18.4; up M=1024 128x128/w4 49.4.
+#  > 1024 rows: 256x128x64 w8 s3: up M=16384 717 us vs 128x256 969 us; o M=4096 (128 such
+#    tiles) 128x128/w4 34.4 vs 256x128 34.7. Persistent + TMA where the operands allow,
+#    when every SM gets >= 2 tiles.
+_MIN_PROGRAMS = 128
+_BF16_STREAM = (
+    _rung(64, 128, 4, 8, min_programs=96, per_sm=1), _rung(64, 64, 4, 12, min_programs=96, per_sm=1),
+    _rung(64, 32, 4, 16, min_programs=96, per_sm=1), _rung(64, 16, 4, 20, min_programs=1, per_sm=1),
+    _rung(64, 128, 4, 4, min_programs=96, per_sm=2), _rung(64, 64, 4, 6, min_programs=96, per_sm=2),
+    _rung(64, 32, 4, 8, min_programs=96, per_sm=2), _rung(64, 16, 4, 10, min_programs=1, per_sm=2),
+    _rung(64, 128, 4, 4),  # many waves (LM head): two programs per SM hide each one's ramp
+)
+_GPU_BUCKETS = {
+    torch.bfloat16: (
+        *((rows, _BF16_STREAM) for rows in (64, 128, 256)),  # 1, 2, 4 tile rows of 64
+        (512, (_rung(64, 128, 4, 3), _rung(64, 64, 4, 6), _rung(64, 32, 4, 6))),
+        # 2026-11-30 H200: at 1024 rows the tiled 128x128 reached 0.61-0.83x cuBLAS while
+        # the persistent kernel reached 0.92-1.0x from 4096 rows; take it where it has
+        # at least two tiles per SM (wide N: LM head, gate_up).
+        (1024, (_rung(256, 128, 8, 3, "P", min_programs=2 * _MIN_PROGRAMS),
+                _rung(128, 128, 4, 4), _rung(64, 128, 4, 4), _rung(64, 64, 4, 6))),
+        (None, (_rung(256, 128, 8, 3, "P", min_programs=2 * _MIN_PROGRAMS), _rung(256, 128, 8, 3),
+                _rung(128, 128, 4, 4), _rung(64, 128, 4, 4))),
+    ),
+    # fp32 runs exact FMAs (no tensor cores): modest tiles, no speed target.
+    torch.float32: ((64, (_rung(64, 32, 4, 3, block_k=32),)), (None, (_rung(64, 64, 4, 3, block_k=32),))),
+}
+_GPU_FIXED = {torch.bfloat16: _cfg(64, 128, 4, 4), torch.float32: _cfg(64, 64, 4, 3, block_k=32)}
+# Further geometries with the same BLOCK_K: the GPU contract test proves them bit-equal
+# to the table above and eval/bench_linear.py --sweep times them, so re-tuning the
+# table is a measured, invariance-safe edit.
+_GPU_CANDIDATES = {
+    torch.bfloat16: tuple(_cfg(*spec) for spec in (
+        (64, 16, 4, 6), (64, 16, 4, 12), (64, 32, 4, 6), (64, 32, 4, 10), (64, 64, 4, 8), (64, 256, 4, 5),
+        (128, 64, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
+        (128, 128, 4, 4, "P"), (128, 128, 8, 4, "P"), (128, 256, 8, 3, "P"), (128, 256, 8, 3, "PS"),
+        (128, 256, 8, 4, "PS"), (256, 128, 8, 3, "PS"), (256, 128, 8, 4, "PS"))),
+    torch.float32: tuple(_cfg(*spec, block_k=32) for spec in ((32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3))),
+}
+# Interpreter: tiny tiles (a 128^3 interpreted matmul takes ~0.3 s) and small thresholds
+# so that tiny CPU tests cross a geometry change as the GPU buckets do. The persistent
+# kernel is never selected here; the tests run it through explicit candidates.
+_CPU_TABLE = (
+    (4, (_rung(16, 16, 4, 3, block_k=16),)),
+    (32, (_rung(16, 32, 4, 3, block_k=16),)),
+    (None, (_rung(32, 32, 4, 3, block_k=16),)),
+)
+_CPU_BUCKETS = {torch.bfloat16: _CPU_TABLE, torch.float32: _CPU_TABLE}
+_CPU_FIXED = {torch.bfloat16: _cfg(16, 16, 4, 3, block_k=16), torch.float32: _cfg(16, 16, 4, 3, block_k=16)}
+_CPU_CANDIDATES = (_cfg(16, 32, 4, 3, "P", block_k=16), _cfg(32, 32, 4, 3, "PS", block_k=16))
+_CPU_PROGRAMS = 3  # "SMs" of the interpreted persistent kernel: programs loop over tiles
+_REFERENCE_SMS = 132  # the H200's SM count: used where no GPU is present
+
+
+def buckets(dtype: torch.dtype) -> tuple:
+    """The ((max_rows, ladder), ...) table used for ``dtype`` in this process."""
+    return (_CPU_BUCKETS if interpreting() else _GPU_BUCKETS)[dtype]
+
+
+def linear_candidates(dtype: torch.dtype, candidates: bool = True) -> tuple:
+    """Every config that must give identical bits for ``dtype``: table, fixed, candidates."""
+    if interpreting():
+        table, fixed, extra = _CPU_BUCKETS, _CPU_FIXED, {dtype: _CPU_CANDIDATES}
+    else:
+        table, fixed, extra = _GPU_BUCKETS, _GPU_FIXED, _GPU_CANDIDATES
+    configs = [cfg for _, ladder in table[dtype] for cfg, _, _ in ladder] + [fixed[dtype]]
+    configs += list(extra[dtype]) if candidates else []
+    return tuple(dict.fromkeys(configs))
+
+
+@functools.lru_cache(maxsize=4096)  # ~7 us of Python per call otherwise (launch overhead)
+def _select(rows, n, dtype, tma, sms, fixed_tile, interpret) -> TileConfig:
+    if fixed_tile:
+        return (_CPU_FIXED if interpret else _GPU_FIXED)[dtype]
+    for max_rows, ladder in (_CPU_BUCKETS if interpret else _GPU_BUCKETS)[dtype]:
+        if max_rows is None or rows <= max_rows:
+            span = rows if max_rows is None else max_rows
+            usable = [rung for rung in ladder if tma or not rung[0].persistent]
+            for cfg, min_programs, per_sm in usable:
+                programs = triton.cdiv(span, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+                if programs >= min_programs and (per_sm == 0 or programs <= per_sm * sms):
+                    return cfg
+            return usable[-1][0]
+    raise AssertionError("bucket table must end with max_rows=None")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[bool, int]:
+    """(TMA-capable, number of SMs) of CUDA device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major >= 9, props.multi_processor_count
