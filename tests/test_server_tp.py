@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -138,6 +139,57 @@ def test_tp2_server_equals_tp1_server_and_training_across_a_disk_update(tp2, tp1
     assert [m["output_token_logprobs"] for m in after] != [m["output_token_logprobs"] for m in before]
     _assert_same(after, _generate(url1))
     _assert_training_bits(tp1, 3)
+
+
+def _post_in_thread(url: str, endpoint: str, payload: dict) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(r=post(url, endpoint, payload, timeout=120)))
+    thread.start()
+    return thread, box
+
+
+def _answer(thread: threading.Thread, box: dict) -> dict:
+    thread.join(timeout=120)
+    assert not thread.is_alive() and box["r"].status_code == 200, box.get("r") and box["r"].text
+    return box["r"].json()
+
+
+def test_tp2_server_takes_a_broadcast_update_in_buckets(tp2, tp1, checkpoints):
+    """The xccl path over gloo: the trainer broadcasts two buckets to rank 0's group; rank 0
+    stages them, applies the whole update and passes it on; then TP = 2 == TP = 1 at v5."""
+    import torch.distributed as dist
+    from areal.engine.core.distributed import init_custom_process_group
+    from areal.utils.network import find_free_ports
+
+    from areal_tik.adapter.server import load_safetensors_dir
+
+    url2, url1 = tp2[0], tp1[0]
+    port = find_free_ports(1)[0]
+    joined = _post_in_thread(url2, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "backend": "gloo", "group_name": "tp_test_group"})
+    group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
+                                      rank=0, group_name="tp_test_group")
+    try:
+        _answer(*joined)
+        state = load_safetensors_dir(checkpoints[0], "cpu")  # back to v0's weights, as version 5
+        names = sorted(state)
+        for k, bucket in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+            sent = _post_in_thread(url2, "/update_weights_from_distributed", {
+                "names": bucket, "dtypes": [str(state[n].dtype).split(".")[1] for n in bucket],
+                "shapes": [list(state[n].shape) for n in bucket], "group_name": "tp_test_group",
+                "weight_version": 5})
+            for n in bucket:
+                dist.broadcast(state[n].contiguous(), src=0, group=group)
+            assert _answer(*sent)["message"] == ("staged" if k == 0 else "ok")
+    finally:
+        dist.destroy_process_group(group)
+    r = post(url1, "/update_weights_from_disk", {"model_path": str(checkpoints[0]), "weight_version": 5})
+    assert r.status_code == 200, r.text
+    after = _generate(url2)
+    assert all(m["output_token_versions"] == [5] * SAMPLING["max_new_tokens"] for m in after)
+    _assert_same(after, _generate(url1))
+    _assert_training_bits(tp1, 5)
 
 
 def test_a_split_the_model_cannot_take_is_refused_at_start_naming_both(checkpoints):
