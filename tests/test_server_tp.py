@@ -155,8 +155,9 @@ def _answer(thread: threading.Thread, box: dict) -> dict:
 
 
 def test_tp2_server_takes_a_broadcast_update_in_buckets(tp2, tp1, checkpoints):
-    """The xccl path over gloo: the trainer broadcasts two buckets to rank 0's group; rank 0
-    stages them, applies the whole update and passes it on; then TP = 2 == TP = 1 at v5."""
+    """The xccl path over gloo: both ranks join the trainer's group (ranks 1 and 2 of 3, as
+    AReaL numbers a TP = 2 server's workers) and receive two buckets; each stages them and
+    applies the whole update as one version; then TP = 2 == TP = 1 server at v5."""
     import torch.distributed as dist
     from areal.engine.core.distributed import init_custom_process_group
     from areal.utils.network import find_free_ports
@@ -166,9 +167,9 @@ def test_tp2_server_takes_a_broadcast_update_in_buckets(tp2, tp1, checkpoints):
     url2, url1 = tp2[0], tp1[0]
     port = find_free_ports(1)[0]
     joined = _post_in_thread(url2, "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
         "backend": "gloo", "group_name": "tp_test_group"})
-    group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
+    group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=3,
                                       rank=0, group_name="tp_test_group")
     try:
         _answer(*joined)

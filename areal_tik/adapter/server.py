@@ -214,19 +214,25 @@ class TikServer:
                 raise BadRequest(f"master_address must be a host name, got {addr!r}")
         except BadRequest as exc:
             return _error(400, str(exc))
-        from areal.engine.core.distributed import init_custom_process_group
-
-        def join():
-            return init_custom_process_group(
-                backend=backend, init_method=f"tcp://{addr}:{ints['master_port']}",
-                world_size=ints["world_size"], rank=ints["rank_offset"], group_name=name)
+        join = (backend, f"tcp://{addr}:{ints['master_port']}", ints["world_size"], ints["rank_offset"], name)
         try:
-            self._groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
+            await asyncio.get_running_loop().run_in_executor(None, self.join_weight_group, *join)
         except (RuntimeError, ValueError) as exc:
             return _error(500, f"joining weight update group {name!r} failed: {exc}")
         logger.info("joined weight update group %r as rank %d of %d (%s)", name, ints["rank_offset"],
                     ints["world_size"], backend)
         return web.json_response({"success": True, "message": "ok"})
+
+    def join_weight_group(self, backend: str, init_method: str, world_size: int, rank: int, name: str) -> None:
+        """Join the trainer's weight-update group ``name`` as ``rank`` (AReaL's own helper)."""
+        from areal.engine.core.distributed import init_custom_process_group
+
+        self._groups[name] = init_custom_process_group(backend=backend, init_method=init_method,
+                                                       world_size=world_size, rank=rank, group_name=name)
+
+    def receive_bucket(self, group_name: str, names, dtypes, shapes, version: int | None) -> dict:
+        """One bucket of the update ``version`` by broadcast from the group's rank 0."""
+        return self._receive_bucket(self._groups[group_name], names, dtypes, shapes)
 
     def _receive_bucket(self, group, names, dtypes, shapes) -> dict:
         import torch
@@ -286,7 +292,8 @@ class TikServer:
         async with self._weights_lock:
             # Receive first, whatever happens next: the trainer is broadcasting already.
             try:
-                received = await loop.run_in_executor(None, self._receive_bucket, group, names, dtypes, shapes)
+                received = await loop.run_in_executor(None, self.receive_bucket, body["group_name"], names, dtypes,
+                                                      shapes, version)
             except RuntimeError as exc:  # a collective failure (torch's DistBackendError is one)
                 self._staged = {}
                 return _error(500, f"receiving the broadcast failed: {exc}")

@@ -11,10 +11,12 @@ later than rank 0 only delays the step at which every rank acts on it.
 Weight updates:
 - from disk: rank 0 loads and applies the checkpoint, then each other rank loads the same
   directory and keeps its slice (``LLM.update_weights`` cuts full-model tensors to a rank);
-- by broadcast (``/update_weights_from_distributed``): only rank 0 joins the trainer's
-  group and stages the buckets; the complete update is applied on rank 0 and its full
-  tensors are sent (host copies, one tensor a message) to the other ranks, each keeping
-  its slice. Every rank gets the same version, so per-token versions are unchanged.
+- by broadcast (the xccl path): every rank joins the trainer's weight-update group, rank r
+  as ``rank_offset + r`` (AReaL sizes that group as one rank per server worker, its
+  ``gen_allocation`` world size + 1); rank 0 passes each bucket's request on, every rank
+  receives the broadcast itself, stages it by weight version (``TikServer.stage``) and
+  applies the complete update, keeping its slice. Every rank applies the same version, so
+  per-token versions are unchanged; on GPUs each rank receives on its own device (NCCL).
 
 Lifetime: ranks 1 .. t-1 end when rank 0 closes them, or at once when rank 0's pipe closes
 (rank 0 died). Rank 0 polls its ranks; one that ends while serving (or an engine that
@@ -72,7 +74,11 @@ def build_rank_llm(args, rank: int, init_method: str):
     from areal_tik.engine.tensor_parallel import init_tensor_parallel
 
 
+    import torch
+
     device = rank_device(args.device, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL groups (the model's, the trainer's) bind to the current device
     group = init_tensor_parallel(dataclass_from_args(EngineConfig, args), device, init_method=init_method,
                                  rank=rank, timeout_s=GROUP_TIMEOUT_S)
     return build_llm(args, device=device, tensor_parallel=group)
@@ -81,8 +87,26 @@ def build_rank_llm(args, rank: int, init_method: str):
 # ------------------------------------------------------------------ ranks 1 .. t-1
 
 
-def _apply(llm, futures: dict, pending: dict, message: tuple) -> None:
-    """Apply one of rank 0's calls to this rank's engine."""
+def _receive_and_stage(llm, weights: TikServer, group_name, names, dtypes, shapes, version) -> None:
+    """This rank's part of one broadcast bucket: receive it, stage it, apply the update once
+    complete; what rank 0 answers with an HTTP error is logged here (rank 0 refuses alike)."""
+    try:
+        received = weights.receive_bucket(group_name, names, dtypes, shapes, version)
+    except RuntimeError as exc:
+        weights._staged = {}
+        logger.error("rank %d: receiving the broadcast failed: %s", llm.tensor_parallel.rank, exc)
+        return
+    try:
+        staged = weights.stage(received, version)
+        if staged is not None:
+            llm.update_weights(staged, version=version, recompute_running=True)
+    except (TypeError, ValueError) as exc:
+        weights._staged = {}
+        logger.error("rank %d: weight update refused: %s", llm.tensor_parallel.rank, exc)
+
+
+def _apply(llm, futures: dict, weights: TikServer, message: tuple) -> None:
+    """Apply one of rank 0's calls to this rank's engine (``weights``: its groups and staging)."""
     kind = message[0]
     if kind == "submit":
         _, n, ids, params = message
@@ -97,12 +121,11 @@ def _apply(llm, futures: dict, pending: dict, message: tuple) -> None:
         llm.pause()
     elif kind == "resume":
         llm.resume()
-    elif kind == "tensor":
-        pending[message[1]] = message[2]
-    elif kind == "update":
-        weights = dict(pending)
-        pending.clear()
-        llm.update_weights(weights, version=message[1], recompute_running=True)
+    elif kind == "join":  # the trainer's group: rank 0 joins as rank_offset, rank r as rank_offset + r
+        backend, init_method, world_size, rank_offset, name = message[1:]
+        weights.join_weight_group(backend, init_method, world_size, rank_offset + llm.tensor_parallel.rank, name)
+    elif kind == "bucket":
+        _receive_and_stage(llm, weights, *message[1:])
     elif kind == "disk":
         llm.update_weights(load_safetensors_dir(message[1], llm.device), version=message[2],
                            recompute_running=True)
@@ -120,7 +143,7 @@ def _rank_main(args, rank: int, init_method: str, conn) -> None:
         raise
     conn.send(("ready", None))
     futures: dict[int, Future] = {}
-    pending: dict = {}
+    weights = TikServer(llm)  # never started: its weight groups and staging, as on rank 0
     try:
         while True:
             try:
@@ -134,7 +157,7 @@ def _rank_main(args, rank: int, init_method: str, conn) -> None:
                 continue
             if message[0] == "close":
                 break
-            _apply(llm, futures, pending, message)
+            _apply(llm, futures, weights, message)
     finally:
         llm.close()
 
@@ -235,16 +258,6 @@ class ForwardingLLM:
         self.links.send("resume")
         self.local.resume()
 
-    def update_weights(self, weights, version=None, strict=True, recompute_running=True) -> int:
-        """Full-model ``weights`` (a dict): applied here, then sent to every rank."""
-        version = self.local.version + 1 if version is None else version
-        restarted = self.local.update_weights(weights, version=version, strict=strict,
-                                              recompute_running=recompute_running)
-        for name, tensor in weights.items():
-            self.links.send("tensor", name, tensor.detach().cpu())
-        self.links.send("update", version)
-        return restarted
-
     def update_weights_from_disk(self, path: str, version: int | None) -> tuple[int, int]:
         version = self.local.version + 1 if version is None else version
         state = load_safetensors_dir(path, self.local.device)
@@ -280,7 +293,21 @@ def _exit_failed(reason: str, llm) -> None:
 
 
 class TPServer(TikServer):
-    """``TikServer`` whose disk updates load the checkpoint on every rank."""
+    """``TikServer`` whose weight updates reach every rank: a disk update loads the checkpoint
+    on each; every rank joins the trainer's group (rank r as ``rank_offset + r``, AReaL's
+    numbering of a TP server's workers) and receives each bucket itself."""
+
+    def join_weight_group(self, backend: str, init_method: str, world_size: int, rank: int, name: str) -> None:
+        size = self.llm.tensor_parallel.size
+        if rank + size > world_size:
+            raise ValueError(f"rank_offset {rank} with world_size {world_size} leaves no room for this "
+                             f"server's {size} tensor-parallel ranks (rank_offset + {size} <= world_size)")
+        self.llm.links.send("join", backend, init_method, world_size, rank, name)
+        super().join_weight_group(backend, init_method, world_size, rank, name)
+
+    def receive_bucket(self, group_name: str, names, dtypes, shapes, version: int | None) -> dict:
+        self.llm.links.send("bucket", group_name, names, dtypes, shapes, version)
+        return super().receive_bucket(group_name, names, dtypes, shapes, version)
 
     def load_weights_from_disk(self, path: str, version: int | None) -> tuple[int, int]:
         return self.llm.update_weights_from_disk(path, version)
