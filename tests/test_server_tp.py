@@ -4,7 +4,8 @@ training forward, all with the same k_groups, before and after a weight update f
 a split the model cannot take is refused at start-up; a rank that dies ends rank 0.
 
 One TP = 2 server (a subprocess, unified kernels under the interpreter, a one-layer model)
-serves every test of the module; the last test kills its rank 1.
+serves most tests of the module and is ended by SIGTERM last; a second one (the standard
+kernels) has its rank 1 killed.
 """
 from __future__ import annotations
 
@@ -54,12 +55,11 @@ def checkpoints(tmp_path_factory):
             make_tiny_checkpoint(root / "v3", num_hidden_layers=1, seed=1))
 
 
-@pytest.fixture(scope="module")
-def tp2(checkpoints):
-    """(url, process) of the TP = 2 server over checkpoint v0."""
+def _start_tp2(model, *flags: str) -> tuple[str, subprocess.Popen]:
+    """A TP = 2 server over ``model``; returns (url, process) once it answers /health."""
     port = _free_port()
-    proc = subprocess.Popen(_serve_command(checkpoints[0], "--port", str(port), "--tensor-parallel-size", "2",
-                                           *ENGINE_FLAGS),
+    proc = subprocess.Popen(_serve_command(model, "--port", str(port), "--tensor-parallel-size", "2",
+                                           *ENGINE_FLAGS, *flags),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, INTERPRET_ENV: "1"})
     url = f"http://127.0.0.1:{port}"
@@ -70,15 +70,31 @@ def tp2(checkpoints):
             assert time.monotonic() < deadline, f"the TP = 2 server did not answer in {START_S} s"
             try:
                 if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                    return url, proc
             except requests.ConnectionError:
                 time.sleep(0.5)
-        yield url, proc
-    finally:
-        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else ():
+    except BaseException:
+        _end(proc)
+        raise
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Kill the server and its ranks if still running."""
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
             child.kill()
         proc.kill()
-        proc.wait()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints):
+    """(url, process) of the TP = 2 server over checkpoint v0 (unified kernels)."""
+    url, proc = _start_tp2(checkpoints[0])
+    try:
+        yield url, proc
+    finally:
+        _end(proc)
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +205,7 @@ def test_tp2_server_takes_a_broadcast_update_in_buckets(tp2, tp1, checkpoints):
     assert r.status_code == 200, r.text
     after = _generate(url2)
     assert all(m["output_token_versions"] == [5] * SAMPLING["max_new_tokens"] for m in after)
-    _assert_same(after, _generate(url1))
-    _assert_training_bits(tp1, 5)
+    _assert_same(after, _generate(url1))  # v0's weights again: their training bits are checked above
 
 
 def test_a_split_the_model_cannot_take_is_refused_at_start_naming_both(checkpoints):
@@ -201,15 +216,43 @@ def test_a_split_the_model_cannot_take_is_refused_at_start_naming_both(checkpoin
     assert "tensor_parallel_size=4 does not divide the model's KV heads (2)" in done.stderr
 
 
-def test_a_rank_that_dies_ends_rank_0_with_its_name(tp2):  # last: it ends the module's server
+def test_pause_holds_requests_on_every_rank_until_continue(tp2):
+    url = tp2[0]
+    assert post(url, "/pause_generation", {}).status_code == 200
+    waiting = _post_in_thread(url, "/generate", gen_payload(PROMPTS[0], seed=1, **SAMPLING))
+    waiting[0].join(timeout=1.5)
+    assert waiting[0].is_alive() and requests.get(url + "/health", timeout=TIMEOUT).json()["paused"]
+    assert post(url, "/continue_generation", {}).status_code == 200
+    assert len(_answer(*waiting)["output_ids"]) == SAMPLING["max_new_tokens"]
+
+
+def _rank_processes(proc: subprocess.Popen) -> list:
+    return [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+
+
+def test_sigterm_ends_every_rank(tp2):  # last of the module server's tests: it ends it
     url, proc = tp2
-    ranks = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    ranks = _rank_processes(proc)
     assert len(ranks) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children()]
-    ranks[0].kill()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail("rank 0 still runs 30 s after its rank 1 died")
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
     stderr = proc.stderr.read()
-    assert proc.returncode == 1, stderr
-    assert "tensor-parallel rank 1" in stderr and "ended with exit code -9" in stderr, stderr
+    assert "tensor-parallel rank 1 ended with exit code 0" in stderr, stderr  # closed by rank 0, not killed
+    assert not ranks[0].is_running()
+
+
+def test_a_rank_that_dies_ends_rank_0_with_its_name(checkpoints):
+    proc = _start_tp2(checkpoints[0], "--kernels", "standard")[1]
+    try:
+        ranks = _rank_processes(proc)
+        assert len(ranks) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children()]
+        ranks[0].kill()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 still runs 30 s after its rank 1 died")
+        stderr = proc.stderr.read()
+        assert proc.returncode == 1, stderr
+        assert "tensor-parallel rank 1" in stderr and "ended with exit code -9" in stderr, stderr
+    finally:
+        _end(proc)

@@ -178,7 +178,7 @@ class RankLinks:
         for rank in range(1, size):
             here, there = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, args=(args, rank, self.init_method, there),
-                               name=f"areal-tik-tp-rank{rank}", daemon=True)
+                               name=f"areal-tik-tp-rank {rank}", daemon=True)
             proc.start()
             there.close()  # this end lives in the rank now: its EOF tells us the rank is gone
             self.conns.append(here)
@@ -226,6 +226,8 @@ class RankLinks:
                 logger.warning("tensor-parallel rank %s did not end in %s s: killed", proc.name, CLOSE_TIMEOUT_S)
                 proc.kill()
                 proc.join()
+            logger.info("tensor-parallel %s ended with exit code %s", proc.name.removeprefix("areal-tik-tp-"),
+                        proc.exitcode)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
