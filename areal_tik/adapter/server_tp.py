@@ -135,6 +135,9 @@ def _apply(llm, futures: dict, weights: TikServer, message: tuple) -> None:
 
 def _rank_main(args, rank: int, init_method: str, conn) -> None:
     """Ranks 1 .. t-1: build the engine, say ready, apply rank 0's calls until it closes."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 ends us
     logging.basicConfig(level=logging.INFO)
     try:
         llm = build_rank_llm(args, rank, init_method)
@@ -213,13 +216,17 @@ class RankLinks:
                 except OSError as exc:
                     raise RuntimeError(f"tensor-parallel rank {rank} is gone: {exc}") from None
 
-    def close(self) -> None:
-        """Close every rank's engine, wait for the processes (kill the late ones)."""
+    def close(self, local=None) -> None:
+        """Close every rank's engine (and ``local``, rank 0's, right after telling the others:
+        ranks that close at one step boundary end quietly; one that goes on alone for a step
+        reports the others' closing as an error), wait for the processes (kill the late ones)."""
         self.closing = True
         try:
             self.send("close")
         except RuntimeError as exc:
             logger.warning("%s", exc)
+        if local is not None:
+            local.close()
         for proc in self.procs:
             proc.join(CLOSE_TIMEOUT_S)
             if proc.is_alive():
@@ -268,8 +275,7 @@ class ForwardingLLM:
         return len(state), restarted
 
     def close(self) -> None:
-        self.links.close()
-        self.local.close()
+        self.links.close(self.local)
 
 
 def _watch(links: RankLinks, stop: threading.Event, engines: list) -> None:
