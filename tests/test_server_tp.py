@@ -1,15 +1,16 @@
-"""``areal-tik serve --tensor-parallel-size 2``: two processes, one per rank, behind rank 0's
+"""``areal-tik serve --tensor-parallel-size 2`` (and 4): two processes, one per rank, behind rank 0's
 HTTP. Its generations (tokens and log-prob bits) == a TP = 1 server's == the TP = 1
 training forward, all with the same k_groups, before and after a weight update from disk;
 a split the model cannot take is refused at start-up; a rank that dies ends rank 0.
 
 One TP = 2 server (a subprocess, unified kernels under the interpreter, a one-layer model)
-serves most tests of the module and is ended by SIGTERM last; a second one (the standard
-kernels) has its rank 1 killed.
+serves most tests of the module and is ended by SIGTERM last; a TP = 4 one is checked
+against TP = 1, then has its rank 2 killed.
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -55,10 +56,10 @@ def checkpoints(tmp_path_factory):
             make_tiny_checkpoint(root / "v3", num_hidden_layers=1, seed=1))
 
 
-def _start_tp2(model, *flags: str) -> tuple[str, subprocess.Popen]:
-    """A TP = 2 server over ``model``; returns (url, process) once it answers /health."""
+def _start_tp(model, size: int, *flags: str) -> tuple[str, subprocess.Popen]:
+    """A TP = ``size`` server over ``model``; returns (url, process) once it answers /health."""
     port = _free_port()
-    proc = subprocess.Popen(_serve_command(model, "--port", str(port), "--tensor-parallel-size", "2",
+    proc = subprocess.Popen(_serve_command(model, "--port", str(port), "--tensor-parallel-size", str(size),
                                            *ENGINE_FLAGS, *flags),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, INTERPRET_ENV: "1"})
@@ -90,7 +91,7 @@ def _end(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def tp2(checkpoints):
     """(url, process) of the TP = 2 server over checkpoint v0 (unified kernels)."""
-    url, proc = _start_tp2(checkpoints[0])
+    url, proc = _start_tp(checkpoints[0], 2)
     try:
         yield url, proc
     finally:
@@ -241,18 +242,28 @@ def test_sigterm_ends_every_rank(tp2):  # last of the module server's tests: it 
     assert not ranks[0].is_running()
 
 
-def test_a_rank_that_dies_ends_rank_0_with_its_name(checkpoints):
-    proc = _start_tp2(checkpoints[0], "--kernels", "standard")[1]
+def test_tp4_server_equals_tp1_then_a_rank_that_dies_ends_rank_0_with_its_name(tmp_path):
+    model_dir = make_tiny_checkpoint(tmp_path / "kv4", num_hidden_layers=1, num_key_value_heads=4, seed=2)
+    url, proc = _start_tp(model_dir, 4, "--k-groups", "4")
     try:
+        model = UnifiedCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, device="cpu", k_groups=4)
+        with LLM(model, EngineConfig(**ENGINE, k_groups=4)) as llm:
+            served = TikServer(llm).start()
+            try:
+                _assert_same(_generate(url), _generate(f"http://{served.address}"))
+            finally:
+                served.stop()
+            _assert_training_bits((None, llm, model), 0)
         ranks = _rank_processes(proc)
-        assert len(ranks) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children()]
-        ranks[0].kill()
+        assert len(ranks) == 3, [c.cmdline() for c in psutil.Process(proc.pid).children()]
+        victim = ranks[1]
+        victim.kill()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            pytest.fail("rank 0 still runs 30 s after its rank 1 died")
+            pytest.fail("rank 0 still runs 30 s after one of its ranks died")
         stderr = proc.stderr.read()
         assert proc.returncode == 1, stderr
-        assert "tensor-parallel rank 1" in stderr and "ended with exit code -9" in stderr, stderr
+        assert re.search(rf"tensor-parallel rank [123] \(pid {victim.pid}\) ended with exit code -9", stderr), stderr
     finally:
         _end(proc)
