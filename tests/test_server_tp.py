@@ -265,5 +265,7 @@ def test_tp4_server_equals_tp1_then_a_rank_that_dies_ends_rank_0_with_its_name(t
         stderr = proc.stderr.read()
         assert proc.returncode == 1, stderr
         assert re.search(rf"tensor-parallel rank [123] \(pid {victim.pid}\) ended with exit code -9", stderr), stderr
+        _, alive = psutil.wait_procs([r for r in ranks if r is not victim], timeout=15)
+        assert not alive, f"ranks {alive} outlived rank 0 by 15 s"  # each sees rank 0's pipe close
     finally:
         _end(proc)

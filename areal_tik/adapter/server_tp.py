@@ -151,7 +151,7 @@ def _rank_main(args, rank: int, init_method: str, conn) -> None:
         while True:
             try:
                 message = conn.recv() if conn.poll(1.0) else None
-            except EOFError:
+            except (EOFError, OSError):
                 logger.error("rank %d: rank 0 is gone; ending", rank)
                 os._exit(1)
             if message is None:
