@@ -256,9 +256,12 @@ def validate(config: TikPPOConfig) -> None:
             raise ValueError("areal-tik servers take weights from disk or by NCCL broadcast; got "
                              f"actor.weight_update_mode={config.actor.weight_update_mode!r}")
         par = _parallel(config.rollout.backend)
-        if par.tp_size > 1 or par.pp_size > 1:
-            raise ValueError("an areal-tik server is one engine (no tensor/pipeline parallelism); "
-                             f"rollout.backend={config.rollout.backend!r}")
+        if par.pp_size > 1 or (par.tp_size > 1 and not config.rollout.tik_server_addrs):
+            raise ValueError(
+                "areal-tik servers run no pipeline parallelism, and a tensor-parallel one (t > 1) is "
+                "started as `areal-tik serve --tensor-parallel-size t` on its own GPUs and named in "
+                "rollout.tik_server_addrs (a server the trainer launches is one process on its GPU); "
+                f"rollout.backend={config.rollout.backend!r}")
     if mode == "inprocess":
         if not config.actor.unified_kernels:
             raise ValueError("rollout.tik_engine='inprocess' needs actor.unified_kernels=true")
