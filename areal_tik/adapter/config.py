@@ -301,6 +301,19 @@ def server_refusals(health: dict[str, dict], trainer_k_groups: int) -> list[str]
                                         for addr, h in health.items()}, trainer_k_groups)
 
 
+def check_server_tensor_parallel(health: dict[str, dict], rollout_backend: str) -> None:
+    """ValueError unless every server's /health ``tensor_parallel_size`` is the t of
+    ``rollout_backend``: AReaL sizes the weight-update group by it (one rank per server
+    rank), so a server with another t would leave the group's rendezvous waiting."""
+    want = _parallel(rollout_backend).tp_size
+    wrong = {addr: h.get("tensor_parallel_size", 1) for addr, h in health.items()
+             if h.get("tensor_parallel_size", 1) != want}
+    if wrong:
+        raise ValueError(f"rollout.backend={rollout_backend!r} says tensor_parallel_size={want}, but the "
+                         f"areal-tik servers {wrong} report another; start them with "
+                         f"`areal-tik serve --tensor-parallel-size {want}` or change rollout.backend")
+
+
 def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,
                    include_engine: bool = True) -> list[str]:
     """Why rollout log-probs cannot stand in for the recompute exactly ([] = they can).
