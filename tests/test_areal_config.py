@@ -10,6 +10,7 @@ from areal.api.cli_args import GRPOConfig, PPOActorConfig  # noqa: E402
 
 from areal_tik.adapter import apply_patches  # noqa: E402
 from areal_tik.adapter.audit import RunState  # noqa: E402
+from areal_tik.adapter.config import _parallel, check_server_tensor_parallel  # noqa: E402
 from areal_tik.adapter.config import (  # noqa: E402
     ColocatedEngineConfig,
     TikGRPOConfig,
@@ -255,6 +256,16 @@ def test_server_mode_options(load):
         load(["rollout.tik_engine=server", "+rollout.tik_server_addrs=[nohostport]"])
     with pytest.raises(ValueError, match="needs actor.unified_kernels"):
         load(["rollout.tik_engine=server", "actor.unified_kernels=false"])
+    # tensor-parallel servers: started apart (serve --tensor-parallel-size) and named
+    config = load(["rollout.tik_engine=server", "rollout.backend=sglang:d1t2", "+rollout.tik_server_addrs=[a:1]"])
+    assert _parallel(config.rollout.backend).tp_size == 2
+    with pytest.raises(ValueError, match="--tensor-parallel-size t"):
+        load(["rollout.tik_engine=server", "rollout.backend=sglang:d1t2"])
+    # their /health must say the same t: AReaL sizes the weight-update group by it
+    check_server_tensor_parallel({"a:1": {"tensor_parallel_size": 2}}, "sglang:d1t2")
+    check_server_tensor_parallel({"a:1": {}}, "sglang:d1")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*\{'a:1': 1\}.*--tensor-parallel-size 2"):
+        check_server_tensor_parallel({"a:1": {"tensor_parallel_size": 1}}, "sglang:d1t2")
 
 
 def test_server_on_the_trainers_gpu_refuses_nccl_weight_updates(load, monkeypatch):

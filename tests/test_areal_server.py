@@ -345,9 +345,13 @@ def test_backend_builds_sglang_shaped_weight_requests():
     reqs = backend.build_distributed_weight_update_requests(meta, [ParamSpec("w", (2, 3), "bfloat16")])
     assert reqs.requests[0].payload == {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
                                         "group_name": "g", "weight_version": 3}
-    with pytest.raises(NotImplementedError, match="tp_size=2"):
+    tp2 = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d2t2"),
+                           nccl_master_address="10.0.0.1", nccl_master_port=1234, nccl_group_name="g")
+    init = backend.build_init_weights_group_request("a:1", 1, tp2)  # server 1's ranks: 3 and 4 of 5
+    assert init.payload["rank_offset"] == 3 and init.payload["world_size"] == 5
+    with pytest.raises(NotImplementedError, match="pp_size=2"):
         backend.build_init_weights_group_request(
-            "a:1", 0, WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d1t2")))
+            "a:1", 0, WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d1p2")))
 
 
 def test_backend_refuses_what_the_server_cannot_do():

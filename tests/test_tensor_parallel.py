@@ -199,11 +199,10 @@ def test_servers_with_another_k_groups_or_kernel_set_refuse_reuse_by_name():
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--tensor-parallel-size", "2", "--k-groups", "2"], ["--tensor-parallel-size 2", "TP = 1"]),
     (["--tensor-parallel-size", "2"], ["tensor_parallel_size=2 does not divide k_groups (1)"]),
     (["--k-groups", "3"], ["k_groups must be one of (1, 2, 4, 8), got 3"]),
 ])
-def test_serve_flags_come_from_the_engine_config_and_refuse_tensor_parallelism(flags, words):
+def test_serve_flags_come_from_the_engine_config_and_refuse_a_bad_split(flags, words):
     import argparse
 
     from areal_tik.adapter import server
@@ -216,6 +215,8 @@ def test_serve_flags_come_from_the_engine_config_and_refuse_tensor_parallelism(f
         server.check_args(args)
     for word in words:
         assert word in str(info.value)
+    ok = parser.parse_args(["--model", "unused", "--tensor-parallel-size", "2", "--k-groups", "2"])
+    assert server.check_args(ok).tensor_parallel_size == 2  # served as 2 processes (server_tp)
 
 
 def test_start_up_compiles_the_tree_and_each_ranks_partials():

@@ -91,20 +91,22 @@ class TikServerBackend:
                                                           payload=payload)])
 
     def build_init_weights_group_request(self, addr, server_idx, meta) -> HttpRequest:
-        """Rank ``1 + server_idx`` of a group of every server plus the trainer (rank 0); one
-        server is one engine (no tensor or pipeline parallelism)."""
+        """The trainer (rank 0) and every server rank, as AReaL sizes the group (its world
+        size + 1): server ``server_idx`` of tensor-parallel size t holds ranks
+        ``1 + server_idx * t`` .. ``+ t - 1`` (it passes ``rank_offset``, each of its ranks
+        joins at its offset). No pipeline parallelism."""
         if meta.gen_allocation is None:
             raise ValueError("meta.gen_allocation is needed to size the weight update group")
         par = meta.gen_allocation.parallel
-        if par.tp_size > 1 or par.pp_size > 1:
-            raise NotImplementedError(f"areal-tik servers run one engine each; got tp_size={par.tp_size}, "
+        if par.pp_size > 1:
+            raise NotImplementedError(f"areal-tik servers do not run pipeline parallelism; got "
                                       f"pp_size={par.pp_size}")
         from areal.infra.platforms import current_platform
         from areal.utils.network import format_host_for_url
 
         return HttpRequest(endpoint="/init_weights_update_group", payload={
             "master_address": format_host_for_url(meta.nccl_master_address),
-            "master_port": str(meta.nccl_master_port), "rank_offset": 1 + server_idx,
+            "master_port": str(meta.nccl_master_port), "rank_offset": 1 + server_idx * par.tp_size,
             "world_size": par.world_size + 1, "backend": current_platform.communication_backend,
             "group_name": meta.nccl_group_name})
 

@@ -256,9 +256,12 @@ def validate(config: TikPPOConfig) -> None:
             raise ValueError("areal-tik servers take weights from disk or by NCCL broadcast; got "
                              f"actor.weight_update_mode={config.actor.weight_update_mode!r}")
         par = _parallel(config.rollout.backend)
-        if par.tp_size > 1 or par.pp_size > 1:
-            raise ValueError("an areal-tik server is one engine (no tensor/pipeline parallelism); "
-                             f"rollout.backend={config.rollout.backend!r}")
+        if par.pp_size > 1 or (par.tp_size > 1 and not config.rollout.tik_server_addrs):
+            raise ValueError(
+                "areal-tik servers run no pipeline parallelism, and a tensor-parallel one (t > 1) is "
+                "started as `areal-tik serve --tensor-parallel-size t` on its own GPUs and named in "
+                "rollout.tik_server_addrs (a server the trainer launches is one process on its GPU); "
+                f"rollout.backend={config.rollout.backend!r}")
     if mode == "inprocess":
         if not config.actor.unified_kernels:
             raise ValueError("rollout.tik_engine='inprocess' needs actor.unified_kernels=true")
@@ -296,6 +299,19 @@ def server_refusals(health: dict[str, dict], trainer_k_groups: int) -> list[str]
                for addr, h in health.items() if h.get("kernels") != "unified"]
     return reasons + k_groups_refusals({f"areal-tik server {addr}'s k_groups": h.get("k_groups")
                                         for addr, h in health.items()}, trainer_k_groups)
+
+
+def check_server_tensor_parallel(health: dict[str, dict], rollout_backend: str) -> None:
+    """ValueError unless every server's /health ``tensor_parallel_size`` is the t of
+    ``rollout_backend``: AReaL sizes the weight-update group by it (one rank per server
+    rank), so a server with another t would leave the group's rendezvous waiting."""
+    want = _parallel(rollout_backend).tp_size
+    wrong = {addr: h.get("tensor_parallel_size", 1) for addr, h in health.items()
+             if h.get("tensor_parallel_size", 1) != want}
+    if wrong:
+        raise ValueError(f"rollout.backend={rollout_backend!r} says tensor_parallel_size={want}, but the "
+                         f"areal-tik servers {wrong} report another; start them with "
+                         f"`areal-tik serve --tensor-parallel-size {want}` or change rollout.backend")
 
 
 def reuse_refusals(config: TikPPOConfig, vocab_size: int | None = None,

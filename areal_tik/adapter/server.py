@@ -24,11 +24,14 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
   ``LLM.update_weights``, once they cover every tensor of the model: no token is ever
   sampled from half-updated weights, and a bucket of another version drops what was
   staged (a failed partial update is never completed by its old tensors under a new tag).
-- ``GET /health`` (``{"status", "paused", "kernels", "k_groups", "prefix_cache"}``), ``GET /get_weight_version``
+- ``GET /health`` (``{"status", "paused", "kernels", "k_groups", "tensor_parallel_size",
+  "prefix_cache"}``), ``GET /get_weight_version``
   (``{"weight_version": int}``).
 
 ``areal-tik serve --model <path> --port N`` serves a checkpoint; the engine flags are
-generated from ``EngineConfig`` (``areal-tik serve --help``). Sampling options are
+generated from ``EngineConfig`` (``areal-tik serve --help``). With
+``--tensor-parallel-size t`` (t > 1) it runs as t processes, one per rank, rank 0 serving
+HTTP and passing every engine call on to the others (``server_tp.py``). Sampling options are
 translated by ``sampling.from_json``, the same translation the client and the in-process
 engine use.
 """
@@ -150,6 +153,7 @@ class TikServer:
         return web.json_response({"status": "ok", "paused": self.llm.paused,
                                   "kernels": getattr(self.llm.model, "kernels", None),
                                   "k_groups": getattr(self.llm.model, "k_groups", 1),
+                                  "tensor_parallel_size": self.llm.config.tensor_parallel_size,
                                   "prefix_cache": self.llm.prefix_cache_stats})
 
     async def weight_version(self, request: web.Request) -> web.Response:
@@ -174,15 +178,18 @@ class TikServer:
                 raise BadRequest(f"weight_version must be an int >= 0, got {version!r}")
             loop = asyncio.get_running_loop()
             async with self._weights_lock:
-                state = await loop.run_in_executor(None, load_safetensors_dir, path, self.llm.device)
-                restarted = await loop.run_in_executor(
-                    None, lambda: self.llm.update_weights(state, version=version, recompute_running=True))
+                count, restarted = await loop.run_in_executor(None, self.load_weights_from_disk, path, version)
         except (BadRequest, ValueError, TypeError) as exc:
             return _error(400, str(exc))
         logger.info("weights version %d loaded from %s (%d tensors, %d running sequences re-prefilled)",
-                    self.llm.version, path, len(state), restarted)
+                    self.llm.version, path, count, restarted)
         return web.json_response({"success": True, "message": "ok", "weight_version": self.llm.version,
                                   "num_restarted": restarted})
+
+    def load_weights_from_disk(self, path: str, version: int | None) -> tuple[int, int]:
+        """Load ``path`` into the engine: (tensors loaded, running sequences re-prefilled)."""
+        state = load_safetensors_dir(path, self.llm.device)
+        return len(state), self.llm.update_weights(state, version=version, recompute_running=True)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         try:
@@ -207,19 +214,25 @@ class TikServer:
                 raise BadRequest(f"master_address must be a host name, got {addr!r}")
         except BadRequest as exc:
             return _error(400, str(exc))
-        from areal.engine.core.distributed import init_custom_process_group
-
-        def join():
-            return init_custom_process_group(
-                backend=backend, init_method=f"tcp://{addr}:{ints['master_port']}",
-                world_size=ints["world_size"], rank=ints["rank_offset"], group_name=name)
+        join = (backend, f"tcp://{addr}:{ints['master_port']}", ints["world_size"], ints["rank_offset"], name)
         try:
-            self._groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
+            await asyncio.get_running_loop().run_in_executor(None, self.join_weight_group, *join)
         except (RuntimeError, ValueError) as exc:
             return _error(500, f"joining weight update group {name!r} failed: {exc}")
         logger.info("joined weight update group %r as rank %d of %d (%s)", name, ints["rank_offset"],
                     ints["world_size"], backend)
         return web.json_response({"success": True, "message": "ok"})
+
+    def join_weight_group(self, backend: str, init_method: str, world_size: int, rank: int, name: str) -> None:
+        """Join the trainer's weight-update group ``name`` as ``rank`` (AReaL's own helper)."""
+        from areal.engine.core.distributed import init_custom_process_group
+
+        self._groups[name] = init_custom_process_group(backend=backend, init_method=init_method,
+                                                       world_size=world_size, rank=rank, group_name=name)
+
+    def receive_bucket(self, group_name: str, names, dtypes, shapes, version: int | None) -> dict:
+        """One bucket of the update ``version`` by broadcast from the group's rank 0."""
+        return self._receive_bucket(self._groups[group_name], names, dtypes, shapes)
 
     def _receive_bucket(self, group, names, dtypes, shapes) -> dict:
         import torch
@@ -279,7 +292,8 @@ class TikServer:
         async with self._weights_lock:
             # Receive first, whatever happens next: the trainer is broadcasting already.
             try:
-                received = await loop.run_in_executor(None, self._receive_bucket, group, names, dtypes, shapes)
+                received = await loop.run_in_executor(None, self.receive_bucket, body["group_name"], names, dtypes,
+                                                      shapes, version)
             except RuntimeError as exc:  # a collective failure (torch's DistBackendError is one)
                 self._staged = {}
                 return _error(500, f"receiving the broadcast failed: {exc}")
@@ -370,9 +384,9 @@ def add_arguments(parser) -> None:
 SERVED_DTYPES = ("bfloat16", "float32")  # those generate/check and the trainer's bits are verified in
 
 
-def check_args(args) -> None:
+def check_args(args):
     """Refuse, before any model is loaded, the options that would fail later (UsageError:
-    ``areal-tik`` answers it in one line)."""
+    ``areal-tik`` answers it in one line); returns the ``EngineConfig``."""
     from areal_tik.commands.flags import dataclass_from_args
     from areal_tik.engine import EngineConfig
     from areal_tik.errors import UsageError
@@ -385,35 +399,41 @@ def check_args(args) -> None:
         config.check_kernels(args.kernels)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"bad engine option: {exc}") from None
-    if config.tensor_parallel_size != 1:
-        raise UsageError(f"--tensor-parallel-size {config.tensor_parallel_size}: `serve` runs one process "
-                         "(TP = 1); a tensor-parallel engine runs as SPMD processes, one per rank "
-                         "(areal_tik.engine.tensor_parallel)")
+    return config
 
 
-def build_llm(args):
-    """The ``LLM`` the flags describe (``max_model_len`` capped at the model's positions)."""
+def build_llm(args, device: str | None = None, tensor_parallel=None):
+    """The ``LLM`` the flags describe (``max_model_len`` capped at the model's positions); with
+    ``tensor_parallel`` (a rank's group) the model is cut to that rank's shard."""
     import torch
 
     from areal_tik.commands.flags import dataclass_from_args
     from areal_tik.engine import LLM, EngineConfig
     from areal_tik.model import UnifiedCausalLM
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from areal_tik.model.tensor_parallel import shard_model
+
+    device = device or args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = UnifiedCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device,
                                             kernels=args.kernels, k_groups=args.k_groups)
     config = dataclass_from_args(EngineConfig, args,
                                  max_model_len=min(args.max_model_len, model.spec.max_positions))
     config.check_kernels(model.kernels)
-    return LLM(model, config)
+    if tensor_parallel is not None:
+        shard_model(model, tensor_parallel.rank, tensor_parallel.size, tensor_parallel.device_group)
+    return LLM(model, config, tensor_parallel=tensor_parallel)
 
 
 def validate(args) -> None:
     """Everything ``serve`` can check before loading: its options, then device, model, port."""
     from .run_checks import validate_serve
 
-    check_args(args)
+    config = check_args(args)
     validate_serve(args)
+    if config.tensor_parallel_size > 1:
+        from .server_tp import check_model_split
+
+        check_model_split(args, config)
 
 
 def watch_parent(stop: threading.Event, parent: int, poll_seconds: float = 1.0) -> None:
@@ -438,20 +458,29 @@ def watch_parent(stop: threading.Event, parent: int, poll_seconds: float = 1.0) 
 def main(args) -> int:
     import signal
 
-    check_args(args)
+    config = check_args(args)
     logging.basicConfig(level=logging.INFO)
     stop = threading.Event()
     # SIGTERM (the trainer's terminate(), or the parent-death signal) ends the server cleanly
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if args.parent_pid is not None:
         watch_parent(stop, args.parent_pid)
+    if config.tensor_parallel_size > 1:  # t processes, one per rank (server_tp)
+        from .server_tp import serve
+
+        return serve(args, config.tensor_parallel_size, stop)
     with build_llm(args) as llm:
-        server = TikServer(llm, args.host, args.port).start()
-        logger.info("serving on http://%s", server.address)
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.stop()
+        serve_until(TikServer(llm, args.host, args.port), stop)
     return 0
+
+
+def serve_until(server: TikServer, stop: threading.Event, note: str = "") -> None:
+    """Start ``server``, serve until ``stop`` is set (or Ctrl-C), then stop serving."""
+    server.start()
+    logger.info("serving on http://%s%s", server.address, note)
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()

@@ -77,6 +77,10 @@ def _server_engine(trainer, rollout_config, is_eval: bool):
             "engine": trainer.config.tik})]
     engine.initialize(engine_id=f"{'eval-' if is_eval else ''}rank{os.environ.get('RANK', '0')}", addr=addrs,
                       train_data_parallel_size=trainer.actor_alloc.parallel.dp_size)
+    if actor.weight_update_mode == "xccl":
+        from .config import check_server_tensor_parallel
+
+        check_server_tensor_parallel(engine.server_health(), trainer.config.rollout.backend)
     return engine
 
 
