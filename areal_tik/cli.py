@@ -32,7 +32,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("demo", "areal_tik.adapter.demo", "a short GRPO run through AReaL with the unified kernels"),
     ("launch", "areal_tik.adapter.launch",
      "run an AReaL script with the areal-tik patches applied (<script.py> --config <yaml> [k=v ...])"),
-    ("serve", "areal_tik.adapter.server", "serve the rollout engine over HTTP (SGLang-shaped endpoints)"),
+    ("serve", "areal_tik.adapter.serve", "serve the rollout engine over HTTP (SGLang-shaped endpoints)"),
     ("run", "areal_tik.adapter.run", "run a shipped recipe with the flag on, on the stock path, or both"),
     ("report", "areal_tik.report.cli", "compare recipe runs (tik vs stock): HTML page, plots, summary table"),
     ("optimize", "areal_tik.optimize.cli", "search kernel tile tables and check them against the contract"),

@@ -88,7 +88,7 @@ pause/resume) and replaces the HTTP parts: ``agenerate`` runs on the in-process
 ``output_versions``. It needs AReaL's SPMD mode (``AREAL_SPMD_MODE=1``), which the
 launcher sets.
 
-Server mode (``server.py``, ``client.py``). ``rollout.tik_engine: server`` returns AReaL's
+Server mode (``server.py``, ``client.py``; ``serve.py`` is the `areal-tik serve` command, ``server_tp.py`` its tensor-parallel form). ``rollout.tik_engine: server`` returns AReaL's
 own ``RemoteInfEngine`` (``TikRemoteInfEngine``: per-token versions from the server) over
 areal-tik HTTP servers with SGLang's endpoints and payloads, launched one per training
 process or named in ``rollout.tik_server_addrs``. Weights go by AReaL's own path:

@@ -31,7 +31,8 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
 ``areal-tik serve --model <path> --port N`` serves a checkpoint; the engine flags are
 generated from ``EngineConfig`` (``areal-tik serve --help``). With
 ``--tensor-parallel-size t`` (t > 1) it runs as t processes, one per rank, rank 0 serving
-HTTP and passing every engine call on to the others (``server_tp.py``). Sampling options are
+HTTP and passing every engine call on to the others (``server_tp.py``; ``serve.py`` is the
+command that picks one). Sampling options are
 translated by ``sampling.from_json``, the same translation the client and the in-process
 engine use.
 """
@@ -422,56 +423,6 @@ def build_llm(args, device: str | None = None, tensor_parallel=None):
     if tensor_parallel is not None:
         shard_model(model, tensor_parallel.rank, tensor_parallel.size, tensor_parallel.device_group)
     return LLM(model, config, tensor_parallel=tensor_parallel)
-
-
-def validate(args) -> None:
-    """Everything ``serve`` can check before loading: its options, then device, model, port."""
-    from .run_checks import validate_serve
-
-    config = check_args(args)
-    validate_serve(args)
-    if config.tensor_parallel_size > 1:
-        from .server_tp import check_model_split
-
-        check_model_split(args, config)
-
-
-def watch_parent(stop: threading.Event, parent: int, poll_seconds: float = 1.0) -> None:
-    """Set ``stop`` once the parent ``parent`` has ended: this process is re-parented, so
-    its parent pid is no longer ``parent`` (also when it ended before this was called).
-    A poll, not Linux's ``PR_SET_PDEATHSIG``: that fires when the parent's forking
-    *thread* ends, which a trainer's short-lived launcher thread does."""
-    import os
-
-    if os.getppid() != parent:
-        stop.set()
-
-    def poll() -> None:
-        while not stop.wait(poll_seconds):
-            if os.getppid() != parent:
-                logger.warning("the parent process (pid %d) ended: stopping the server", parent)
-                stop.set()
-
-    threading.Thread(target=poll, name="areal-tik-parent-watch", daemon=True).start()
-
-
-def main(args) -> int:
-    import signal
-
-    config = check_args(args)
-    logging.basicConfig(level=logging.INFO)
-    stop = threading.Event()
-    # SIGTERM (the trainer's terminate(), or the parent-death signal) ends the server cleanly
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    if args.parent_pid is not None:
-        watch_parent(stop, args.parent_pid)
-    if config.tensor_parallel_size > 1:  # t processes, one per rank (server_tp)
-        from .server_tp import serve
-
-        return serve(args, config.tensor_parallel_size, stop)
-    with build_llm(args) as llm:
-        serve_until(TikServer(llm, args.host, args.port), stop)
-    return 0
 
 
 def serve_until(server: TikServer, stop: threading.Event, note: str = "") -> None:
