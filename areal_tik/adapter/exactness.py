@@ -95,11 +95,14 @@ def row_refusals(traj: dict, actor_temperature: float) -> tuple[torch.Tensor, to
     return no, temperature != float(actor_temperature)
 
 
-def truncated_rows(traj: dict) -> int:
-    """Rows whose tokens were drawn from another distribution than the recorded one
-    (greedy, top-k, top-p); 0 without ``MATCH_KEY``."""
+def truncated_rows(traj: dict) -> torch.Tensor:
+    """Bool ``[B]`` on the batch's device: rows whose tokens were drawn from another
+    distribution than the recorded one (greedy, top-k, top-p); none without ``MATCH_KEY``."""
+    ids = traj["input_ids"]
     match = traj.get(MATCH_KEY)
-    return 0 if match is None else int((~torch.as_tensor(match).reshape(-1).bool()).sum())
+    if match is None:
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    return ~torch.as_tensor(match).reshape(-1).bool().to(ids.device)
 
 
 def pop_fields(batch: list[dict]) -> None:

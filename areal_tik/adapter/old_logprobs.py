@@ -104,13 +104,14 @@ class OldLogprobs:
 
     def _refusals(self, batch: list[dict]) -> tuple[list[torch.Tensor], dict[str, float]]:
         """Per trajectory the rows whose reuse is refused, and their counts for ``tik/*``."""
-        refused, missing_rows, temperature_rows, truncated = [], 0, 0, 0
+        refused, counts = [], []
         for traj in batch:
             missing, other = exactness.row_refusals(traj, self.temperature)
             refused.append(missing | other)
-            missing_rows += int(missing.sum())
-            temperature_rows += int(other.sum())
-            truncated += exactness.truncated_rows(traj)
+            counts.append(torch.stack([missing.sum(), other.sum(), exactness.truncated_rows(traj).sum()]))
+        # one host transfer for the whole batch (the masks live on the batch's device)
+        missing_rows, temperature_rows, truncated = (
+            torch.stack(counts).sum(0).tolist() if counts else (0, 0, 0))
         if missing_rows and not self._missing_logged:
             self._missing_logged = True
             logger.warning("areal-tik: %d rollout rows carry no %s: they come from a workflow or engine that "
