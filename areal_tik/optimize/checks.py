@@ -55,6 +55,14 @@ def expect_bits(what: str, got, want) -> None:
                               f"in bits, first at {tuple(diff[0].tolist())}")
 
 
+def root_bits(op, impl, root, device, seed: int) -> None:
+    """The contract's first check: on every workload of the op's grid (fresh inputs, seeds
+    ``seed``, ``seed + 1``, ...), the candidate's outputs are the root's, bit for bit."""
+    for i, w in enumerate(op.workloads(op.grid)):
+        inputs = op.make_inputs(w, seed + i, device)
+        expect_bits(f"root_bits: {w.name}", op.call(impl, w, inputs), op.call(root, w, inputs))
+
+
 def _outputs(op, impl, w, inputs) -> tuple:
     return tuple(t.clone() for t in op.call(impl, w, inputs))
 

@@ -14,7 +14,7 @@ import importlib
 
 import torch
 
-from .checks import expect_bits
+from .checks import expect_bits, root_bits
 from .ops import Op, Workload, restrict_groups
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
@@ -119,13 +119,8 @@ class LinearOp(Op):
         return [Workload("check.linear", "linear", {"m": 37 if device.type == "cuda" else 7, "n": n, "k": k})]
 
     def contract(self, device) -> list:
-        return [("root_bits", lambda impl, root: self._root_bits(impl, root, device)),
+        return [("root_bits", lambda impl, root: root_bits(self, impl, root, device, 1000)),
                 ("row_invariance", lambda impl, root: self._row_invariance(impl, device))]
-
-    def _root_bits(self, impl, root, device) -> None:
-        for i, w in enumerate(self.workloads(self.grid)):
-            inputs = self.make_inputs(w, 1000 + i, device)
-            expect_bits(f"root_bits: {w.name}", self.call(impl, w, inputs), self.call(root, w, inputs))
 
     def _row_invariance(self, impl, device) -> None:
         # Row r's bits depend on row r only: a prefix of m rows (any bucket) must give the

@@ -20,7 +20,7 @@ import importlib
 
 import torch
 
-from .checks import expect_bits
+from .checks import expect_bits, root_bits
 from .ops import Op, Workload, restrict_groups
 
 N = importlib.import_module("areal_tik.unified_kernels.rms_norm")
@@ -106,13 +106,8 @@ class _TableOp(Op):
         return [Workload(f"check.{name}", self.name, {**params, "m": 37 if device.type == "cuda" else 7})]
 
     def contract(self, device) -> list:
-        return [("root_bits", lambda impl, root: self._root_bits(impl, root, device)),
+        return [("root_bits", lambda impl, root: root_bits(self, impl, root, device, 2000)),
                 ("row_invariance", lambda impl, root: self._row_invariance(impl, device))]
-
-    def _root_bits(self, impl, root, device) -> None:
-        for i, w in enumerate(self.workloads(self.grid)):
-            inputs = self.make_inputs(w, 2000 + i, device)
-            expect_bits(f"root_bits: {w.name}", self.call(impl, w, inputs), self.call(root, w, inputs))
 
     def _row_invariance(self, impl, device) -> None:
         # Row r's bits depend on row r only: a prefix of m rows gives the first m rows of
