@@ -77,7 +77,10 @@ def build(spec: dict):
     max_len = len(spec["prompts"][0]) + max(n for _, n in spec["shapes"])
     return LLM(model=spec["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=spec["seed"],
                max_model_len=max_len, max_num_seqs=max_batch, enable_prefix_caching=False,
-               gpu_memory_utilization=0.85)
+               gpu_memory_utilization=0.85,
+               # vLLM's own sampling defaults, not the checkpoint's generation_config.json
+               # (a top_k/top_p there would become the default and change what is sampled)
+               generation_config="vllm")
 
 
 def generate(llm, prompts, new_tokens: int):
