@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
-#           bench_train bench_train_cache bench_layers linear_tree
+#           bench_train bench_train_cache bench_layers linear_tree tree_cost
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
@@ -56,6 +56,7 @@ for s in $STAGES; do case $s in
   # apart from "tests" for its time), then its cost at TP = 1.
   linear_tree) run linear_tree_tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/test_linear_tree.py
                run bench_linear_tree 240 python3 -m eval.bench_linear --k-groups 8 --out "$W/csv" ;;
+  tree_cost) run bench_linear_tree 240 python3 -m eval.bench_linear --k-groups 8 --out "$W/csv" ;;  # the cost alone
   bench_attn) run bench_attention 120 python3 -m eval.bench_attention --out "$W/csv" ;;
   probe_attn) run probe_attention 160 python3 -m eval.probe_attention ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
