@@ -15,7 +15,9 @@ with weight load, torch.compile and CUDA-graph capture; areal-tik: engine build 
 capture, then warm-up generations that compile the Triton kernels) is reported beside the
 steady state. Then the fraction of each engine's sampled-token log-probs, at
 ``--compare-shape``, that equal the unified packed training forward on the same tokens
-bit for bit (areal_tik.consistency.packed_logprobs / compare).
+bit for bit (areal_tik.consistency.packed_logprobs / compare). In hardware terms, each
+run's time as a multiple of its bytes-read bound (every weight and every context K/V read
+once per decode step at the measured 4.26 TB/s copy bandwidth; prefill left out).
 
 Shapes: batch 1 / 16 / 64 / 256 x 256 / 1024 new tokens, cheapest first; each vLLM mode
 stops starting new shapes after ``--budget-s`` seconds of timed runs and names the shapes
@@ -35,7 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-from eval.bench_rollout import PROMPT_LEN, make_prompts  # noqa: E402
+from eval.bench_rollout import PEAK_TBPS, PROMPT_LEN, make_prompts, weight_bytes  # noqa: E402
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b")
 MODES = ("default", "batch_invariant")
@@ -184,6 +186,24 @@ def compare_sample(model, sample: dict) -> dict:
             "fraction": result.fraction_identical, "max_abs_delta": result.max_abs_delta}
 
 
+def read_bytes(config: dict, weight_bytes: int) -> dict:
+    """What decoding must read from HBM at least: every weight once per step (the tied LM head
+    counted once) and the K/V of every context position of every sequence (bf16)."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+    return {"weights": weight_bytes, "kv_per_token": kv_per_token, "peak_tbps": PEAK_TBPS}
+
+
+def bound_seconds(read: dict, batch: int, new: int, prompt_len: int) -> float:
+    """The bytes-read bound of a run: ``new`` steps, step i reading the weights and the K/V of
+    ``batch`` sequences at context prompt_len + i, at the measured copy bandwidth. Prefill is
+    left out (128-token prompts: compute-bound and short), so the bound is a lower bound."""
+    kv_positions = batch * (new * prompt_len + new * (new - 1) // 2)
+    total = new * read["weights"] + kv_positions * read["kv_per_token"]
+    return total / (read["peak_tbps"] * 1e12)
+
+
 # ------------------------------------------------------------------ the report
 
 
@@ -203,8 +223,11 @@ def table(report: dict) -> list[str]:
             lines.append(f"{name}: not available ({results[key]['error']}); column skipped")
     times = {key: by_shape(results[key]) for key, _ in present}
     ratios = [k for k in ("vllm", "vllm_bi") if k in times and "areal_tik" in times]
+    read = report.get("read_bytes")
     lines.append(f"{'batch':>5} {'new':>5} " + " ".join(f"{name + ' tok/s':>22}" for _, name in present)
-                 + "".join(f" {'tik/' + k:>12}" for k in ratios))
+                 + "".join(f" {'tik/' + k:>12}" for k in ratios)
+                 + (f" {'bound ms/step':>14}" + "".join(f" {name + ' x bound':>22}" for _, name in present)
+                    if read else ""))
     for batch, new in report["shapes"]:
         cells = []
         for key, _ in present:
@@ -213,6 +236,12 @@ def table(report: dict) -> list[str]:
         for k in ratios:
             a, b = times["areal_tik"].get((batch, new)), times[k].get((batch, new))
             cells.append(f" {b / a:12.2f}" if a and b else f" {'-':>12}")
+        if read:  # time / bytes-read bound: 1.0 would be the whole run at the copy bandwidth
+            bound = bound_seconds(read, batch, new, report["prompt_len"])
+            cells.append(f" {1e3 * bound / new:14.3f}")
+            for key, _ in present:
+                s = times[key].get((batch, new))
+                cells.append(f" {s / bound:22.2f}" if s else f" {'-':>22}")
         lines.append(f"{batch:5d} {new:5d} " + " ".join(cells[:len(present)]) + "".join(cells[len(present):]))
     for key, name in present:
         r = results[key]
@@ -234,9 +263,14 @@ def csv_rows(report: dict, info: dict) -> list[dict]:
         if not r or "error" in r:
             continue
         base = dict(info, model=report["model"], backend=name, prompt_len=report["prompt_len"])
+        read = report.get("read_bytes")
         for (batch, new), s in by_shape(r).items():
             rows.append(dict(base, batch=batch, new_tokens=new, metric="tokens_per_s",
                              value=round(batch * new / s, 1), unit="tokens/s"))
+            if read:
+                bound = bound_seconds(read, batch, new, report["prompt_len"])
+                rows.append(dict(base, batch=batch, new_tokens=new, metric="x_bytes_bound",
+                                 value=round(s / bound, 3), unit=f"x of bytes read at {read['peak_tbps']} TB/s"))
         rows.append(dict(base, batch="", new_tokens="", metric="startup_s", value=r["startup_s"], unit="s"))
         rows.append(dict(base, batch="", new_tokens="", metric="warmup_s", value=r["warmup_s"], unit="s"))
         if r.get("bits"):
@@ -277,6 +311,7 @@ def main(argv=None) -> None:
             continue
         report["results"][LABEL[mode]] = run_vllm(mode, spec, args, timeout)
     hf_model = load_hf_model(checkpoint, dtype=torch.bfloat16, device="cuda")
+    report["read_bytes"] = read_bytes(json.loads((checkpoint / "config.json").read_text()), weight_bytes(hf_model))
     if not args.no_engine:
         report["results"]["areal_tik"] = run_engine(hf_model, args.shapes, prompts, args.compare_shape)
     model = UnifiedCausalLM.from_hf(hf_model, kernels="unified")

@@ -91,3 +91,26 @@ def test_site_without_vllm_answers_with_the_import_error(tmp_path):
     result = bench_vllm.run_vllm("batch_invariant", spec, args)
     assert result["mode"] == "batch_invariant"
     assert result["error"] == "ModuleNotFoundError: No module named 'vllm'"
+
+
+def test_bytes_bound_sums_every_decode_step():
+    config = {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 1024,
+              "num_hidden_layers": 28}
+    read = bench_vllm.read_bytes(config, weight_bytes=10**9)
+    assert read["kv_per_token"] == 2 * 28 * 8 * 128 * 2          # K and V, bf16, every layer
+    batch, new, prompt = 3, 5, 7
+    # step i reads all weights and the K/V of each sequence's prompt + i earlier tokens
+    slow = sum(10**9 + batch * (prompt + i) * read["kv_per_token"] for i in range(new))
+    assert bench_vllm.bound_seconds(read, batch, new, prompt) == slow / (bench_vllm.PEAK_TBPS * 1e12)
+
+
+def test_table_reports_each_backend_against_the_bound(tmp_path, capsys):
+    report = fake_report()
+    report["read_bytes"] = {"weights": 2 * 10**9, "kv_per_token": 0, "peak_tbps": 2.0}  # 1 ms a step
+    path = tmp_path / "bench_vllm.json"
+    path.write_text(json.dumps(report))
+    bench_vllm.main(["--from-json", str(path)])
+    row1 = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["1", "256"]).split()
+    assert row1 == ["1", "256", "128", "256", "2.00", "1.000", "7.81", "3.91"]  # 2 s and 1 s vs 0.256 s
+    rows = bench_vllm.csv_rows(report, {"device": "NVIDIA H200"})
+    assert [r["value"] for r in rows if r["metric"] == "x_bytes_bound" and r["batch"] == 1] == [7.812, 3.906]
