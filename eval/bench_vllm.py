@@ -43,6 +43,10 @@ MODELS = ("qwen3-0.6b", "qwen3-1.7b")
 MODES = ("default", "batch_invariant")
 COLUMNS = (("vllm", "vLLM"), ("vllm_bi", "vLLM batch-inv."), ("areal_tik", "areal-tik"))
 LABEL = {"default": "vllm", "batch_invariant": "vllm_bi"}
+# flashinfer is not carried (requirements/gpu-vllm.txt). vLLM 0.26's sampler imports it at
+# engine build unless its FlashInfer top-k/top-p sampler is switched off; that sampler serves
+# only top-k/top-p rows, so plain T = 1 sampling (this benchmark) takes the same path either way.
+VLLM_NO_FLASHINFER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 FULL_SHAPES = tuple(sorted(((b, n) for b in (1, 16, 64, 256) for n in (256, 1024)), key=lambda s: (s[1], s[0])))
 
 
@@ -118,6 +122,7 @@ def run_vllm(mode: str, spec: dict, args, timeout_s: float | None = None) -> dic
     out.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{site}")  # not the project's AReaL site
     env.pop("VLLM_BATCH_INVARIANT", None)
+    env.update(VLLM_NO_FLASHINFER)
     if mode == "batch_invariant":
         env["VLLM_BATCH_INVARIANT"] = "1"
     note = None

@@ -80,7 +80,7 @@ for s in $STAGES; do case $s in
           cat $VSTAGE/part* | tar xf - -C $VSTAGE/wheels; \
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $VSITE $VSTAGE/wheels/vllm/*.whl; \
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $KSITE $VSTAGE/wheels/kernels/*.whl; \
-          PYTHONPATH=$PWD:$VSITE python3 -m eval.vllm_generate --check; \
+          PYTHONPATH=$PWD:$VSITE VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m eval.vllm_generate --check; \
           PYTHONPATH=$KSITE:$KSITE/nvidia_cutlass_dsl/dsl_packages python3 -c 'import liger_kernel.ops.fused_linear_cross_entropy, cutlass, flash_attn.cute; print(\"liger, cutlass, flash_attn.cute import\")'" ;;
   # vLLM (default and VLLM_BATCH_INVARIANT=1, one process each) beside the areal-tik engine,
   # plus vLLM's log-probs against the unified training forward; one model per call.

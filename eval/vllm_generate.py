@@ -47,6 +47,12 @@ def check() -> int:
             importlib.import_module(name)
         except Exception as error:  # report every module, then fail
             failed.append(f"{name}: {type(error).__name__}: {error}")
+    try:  # what the engine's sampler asks at build (imports flashinfer unless switched off)
+        from vllm.v1.sample.ops.topk_topp_sampler import flashinfer_sampler_supported
+        print(f"FlashInfer sampler: {flashinfer_sampler_supported()} "
+              f"(VLLM_USE_FLASHINFER_SAMPLER={os.environ.get('VLLM_USE_FLASHINFER_SAMPLER')})")
+    except Exception as error:
+        failed.append(f"flashinfer_sampler_supported: {type(error).__name__}: {error}")
     fa = sys.modules.get("vllm.vllm_flash_attn")
     print(f"vllm {vllm.__version__}: FA3 {getattr(fa, 'FA3_AVAILABLE', None)}, FA2 {getattr(fa, 'FA2_AVAILABLE', None)} "
           f"(not carried); {len(RUNTIME_MODULES) - len(failed)}/{len(RUNTIME_MODULES)} runtime modules import")
