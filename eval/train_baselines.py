@@ -62,7 +62,7 @@ def add_kernels_site(environ=None) -> list[str]:
 # ------------------------------------------------------------------ attention
 
 
-def _load_fa4():
+def load_fa4_varlen():
     from flash_attn.cute import flash_attn_varlen_func
     return flash_attn_varlen_func
 
@@ -122,7 +122,7 @@ FA4_NOTES: list[str] = []  # a strided-input failure retried on contiguous copie
 
 
 def _fa4_attention(q, k, v, cu, max_len, scaling):
-    fn = _load_fa4()
+    fn = load_fa4_varlen()
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
               softmax_scale=scaling, causal=True)
     if not FA4_NOTES:
@@ -173,7 +173,7 @@ def _probe_cudnn(device):
 def attention_status(device) -> dict[str, str]:
     """backend -> "available" or why not (the exact import or probe error)."""
     out = {"flash_varlen": AVAILABLE}  # on CPU its stand-in runs, named by attention_labels
-    for name, probe in (("cudnn", _probe_cudnn), ("fa4", lambda device: _load_fa4())):
+    for name, probe in (("cudnn", _probe_cudnn), ("fa4", lambda device: load_fa4_varlen())):
         if torch.device(device).type != "cuda":
             out[name] = "needs a CUDA device"
             continue

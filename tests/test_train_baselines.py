@@ -125,3 +125,25 @@ def test_a_failing_path_records_its_error_and_no_number(capsys):
     out = capsys.readouterr().out
     assert "headline m p: fastest stock stock:fa4+liger 12.0 ms (MFU 40.0%) vs ours 10.0 ms (MFU 50.0%)" in out
     assert "fastest-stock/ours 1.20x" in out and "headline m q: no ratio" in out
+
+
+def test_bench_attention_fa4_cell_is_a_time_or_its_error(capsys, monkeypatch):
+    from eval import bench_attention as ba
+    monkeypatch.setitem(ba.FA4, "fn", None)
+    monkeypatch.setitem(ba.FA4, "why", "not importable: ModuleNotFoundError: No module named 'flash_attn'")
+    assert ba._time_fa4(lambda fn: fn, torch.ones(2), 10, graph=False) == ba.FA4["why"]
+    info, ours = {"device": "x"}, ((10.0, 9.0, 11.0), 8.0)
+    sdpa = {"cudnn": ((12.0, 11.0, 13.0), "enable_gqa", 9.0)}
+    fa4 = ((20.0, 19.0, 21.0), 1e-3, 16.0)
+    rows = ba._ratio_rows("prefill", "1K", ours, sdpa, 1e9, "tflops", info, "cfg", fa4)
+    unified, cudnn, flash4 = rows
+    assert unified["vs_fa4"] == 2.0 and unified["vs_fa4_graph"] == 2.0 and unified["vs_best_sdpa"] == 1.2
+    assert flash4["impl"] == "flash_attn_4" and flash4["us"] == 20.0 and flash4["us_graph"] == 16.0
+    skipped = ba._ratio_rows("backward", "1K", ours, sdpa, 1e9, "tflops", info, "cfg", ba.FA4["why"])
+    assert "vs_fa4" not in skipped[0] and "us" not in skipped[2]
+    assert skipped[2] == {"op": "attention", "kind": "backward", "case": "1K", "impl": "flash_attn_4",
+                          "error": ba.FA4["why"], "device": "x"}
+    ba.summarize(rows + skipped)
+    out = capsys.readouterr().out
+    assert "prefill: vs flash-attn-4 (eager) min 2.00 max 2.00" in out
+    assert f"backward: flash-attn-4 skipped: {ba.FA4['why']}" in out
