@@ -68,8 +68,8 @@ REPO = Path(__file__).resolve().parents[1]
 from eval.harness import run_info, write_csv  # noqa: E402
 from eval.train_baselines import (ATTENTIONS, ATTN_NAME, KERNELS_SITE_ENV, LOGPROBS,  # noqa: E402
                                   Baselines, add_kernels_site, attention_labels, attention_status,
-                                  fastest, first_round, logprob_paths, restrict, second_round,
-                                  select_baselines, stock_attention, use_attention, why)
+                                  fastest, first_round, fmt_path, headline, logprob_paths, restrict,
+                                  second_round, select_baselines, stock_attention, use_attention, why)
 
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.spec import ModelSpec  # noqa: E402
@@ -287,15 +287,6 @@ def run_warmup(hf, spec, max_rows: int, device) -> dict:
     return {"warmup_ms": (time.perf_counter() - start) * 1e3, "warmup_compiles": COMPILES.count - before}
 
 
-def _fmt(m: dict) -> str:
-    if "error" in m:
-        return f"ERROR {m['error']}"
-    peak = f", peak {m['peak_gib']:.1f} GiB" if "peak_gib" in m else ""
-    warm = f"warm-up {m['warmup_ms']:.0f} ms ({m['warmup_compiles']} JIT compiles), " if "warmup_ms" in m else ""
-    return (f"{m['median_ms']:.1f} ms ({warm}first {m['first_ms']:.0f} ms{peak}, MFU {100 * m['mfu']:.1f}%, "
-            f"JIT compiles first/after {m['compiles_first']}/{m['compiles_after_first']})")
-
-
 def _time_path(step, params, device, args, flops: float, warm=None) -> dict:
     """measure() of one path (after ``warm()``, timed on its own, if given) with its MFU, or
     {"error": ...}: one failing path must not hide the others' numbers."""
@@ -342,7 +333,7 @@ def run_case(model: str, pack: str, args, baselines: Baselines, device) -> list[
     print(f"{model} {pack} T={sum(lengths)}", flush=True)
     for path, m in results.items():
         if path != "compare":
-            print(f"  {path}: {_fmt(m)}", flush=True)
+            print(f"  {path}: {fmt_path(m)}", flush=True)
     ours_ms = results["ours"].get("median_ms")
     if best and ours_ms:
         agreement.update(fastest_stock=stock_name(best[0]), fastest_stock_ms=best[1],
@@ -356,22 +347,6 @@ def run_case(model: str, pack: str, args, baselines: Baselines, device) -> list[
             "step_gflop": flops / 1e9}
     return [{**base, "path": path, "metric": key, "value": value}
             for path, m in results.items() for key, value in m.items()]
-
-
-def headline(rows) -> None:
-    """One line per case: fastest stock / ours (the target: >= 1.0x) and both MFUs."""
-    cases = dict.fromkeys((r["model"], r["packing"]) for r in rows if "model" in r)
-    for model, pack in cases:
-        get = {(r["path"], r["metric"]): r["value"] for r in rows
-               if r.get("model") == model and r.get("packing") == pack}
-        best = get.get(("compare", "fastest_stock"))
-        ratio = get.get(("compare", "fastest_stock_over_ours"))
-        if best is None or ratio is None:
-            print(f"headline {model} {pack}: no ratio (ours or every stock step failed)")
-            continue
-        print(f"headline {model} {pack}: fastest stock {best} {get[(best, 'median_ms')]:.1f} ms "
-              f"(MFU {100 * get[(best, 'mfu')]:.1f}%) vs ours {get[('ours', 'median_ms')]:.1f} ms "
-              f"(MFU {100 * get[('ours', 'mfu')]:.1f}%): fastest-stock/ours {ratio:.2f}x")
 
 
 def _cache_entries() -> int:

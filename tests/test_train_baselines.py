@@ -11,7 +11,8 @@ import sys
 import torch
 
 from eval import train_baselines as tb
-from eval.bench_train import _time_path, headline
+from eval.bench_train import _time_path
+from eval.train_baselines import headline
 
 
 def _fake_site(root):
