@@ -105,10 +105,12 @@ for s in $STAGES; do case $s in
   # The same recipe twice on one persistent Triton cache: the second run must compile nothing
   # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
   bench_train_cache) ( export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
-             run bench_train_run1 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
-             run bench_train_run2 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ) ;;
+             run bench_train_run1 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --attention flash_varlen --logprob chunked --out "$W/csv/run1.csv"
+             run bench_train_run2 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --attention flash_varlen --logprob chunked --out "$W/csv/run2.csv" ) ;;
+  # $BENCH_TRAIN_ARGS adds flags (e.g. --packings grpo; --attention flash_varlen,cudnn).
   bench_train_*) m=${s#bench_train_}
-                 run "$s" 420 python3 -m eval.bench_train --models "$m" --out "$W/csv/bench_train_$m.csv" ;;
+                 run "$s" 420 python3 -m eval.bench_train --models "$m" --out "$W/csv/bench_train_$m.csv" \
+                     ${BENCH_TRAIN_ARGS:-} ;;
   # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
   # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
   bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
