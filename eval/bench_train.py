@@ -20,9 +20,9 @@ Paths (one Hugging Face module, one set of parameters):
   1024-token chunked log_softmax + gather as AReaL 1.0.4 writes it; ``areal``: AReaL's own
   ``gather_logprobs``; ``liger``: Liger-Kernel's fused linear cross-entropy, negated).
   eval/train_baselines.py has them. Every attention backend runs with the reference
-  log-prob (``chunked``), then every other log-prob path with the fastest attention (not
-  the full cross product); the fastest of these is "fastest stock", and fastest-stock /
-  ours is the headline (the target: >= 1.0x). A baseline that does not import (the kernels
+  log-prob (``chunked``), every other log-prob path with the fastest attention, then every
+  backend with the fastest log-prob (not the full cross product); the fastest of these is
+  "fastest stock", and fastest-stock / ours is the headline (the target: >= 1.0x). A baseline that does not import (the kernels
   come from ``$AREAL_TIK_KERNELS_SITE``, appended after the image's site-packages) or fails
   at run time is printed with its error and its cell skipped.
 
@@ -68,8 +68,8 @@ REPO = Path(__file__).resolve().parents[1]
 from eval.harness import run_info, write_csv  # noqa: E402
 from eval.train_baselines import (ATTENTIONS, ATTN_NAME, KERNELS_SITE_ENV, LOGPROBS,  # noqa: E402
                                   Baselines, add_kernels_site, attention_labels, attention_status,
-                                  fastest, first_round, fmt_path, headline, logprob_paths, restrict,
-                                  second_round, select_baselines, stock_attention, use_attention, why)
+                                  fastest, fmt_path, headline, logprob_paths, restrict, rounds,
+                                  select_baselines, stock_attention, use_attention, why)
 
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.spec import ModelSpec  # noqa: E402
@@ -304,9 +304,8 @@ def _time_path(step, params, device, args, flops: float, warm=None) -> dict:
 
 
 def run_case(model: str, pack: str, args, baselines: Baselines, device) -> list[dict]:
-    """Time ours and the stock combinations for one (model, packing): every attention
-    backend with the reference log-prob, then every log-prob with the fastest attention.
-    Returns long-format CSV rows."""
+    """Time ours and the stock combinations (train_baselines.rounds) for one (model,
+    packing). Returns long-format CSV rows."""
     hf = build_model(model, device)
     spec = ModelSpec.from_hf_config(hf.config)
     lengths = packing(pack)
@@ -318,8 +317,8 @@ def run_case(model: str, pack: str, args, baselines: Baselines, device) -> list[
     warm = None if args.no_warmup else (lambda: run_warmup(hf, spec, sum(lengths), device))
     results = {"ours": _time_path(ours, params, device, args, flops, warm)}
     times = {}
-    for round_ in (first_round, lambda a, p: second_round(a, p, times)):
-        for combo in round_(baselines.attentions, baselines.logprobs):
+    for combos in rounds(baselines.attentions, baselines.logprobs, times):
+        for combo in combos:
             m = results[stock_name(combo)] = _time_path(stock(*combo), params, device, args, flops)
             times[combo] = m.get("median_ms")
     best = fastest(times)

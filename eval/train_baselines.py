@@ -274,6 +274,15 @@ def fastest(times: dict[Combo, float | None]) -> tuple[Combo, float] | None:
     return (min(ran)[1], min(ran)[0]) if ran else None
 
 
+def rounds(attentions, logprobs, times: dict[Combo, float | None]):
+    """The combinations to time, round by round (each read after the last one's ``times``
+    are in): every attention backend with the reference log-prob, every log-prob path with
+    the fastest backend, every backend with the fastest path. Not the full cross product."""
+    yield first_round(attentions, logprobs)
+    yield second_round(attentions, logprobs, times)
+    yield third_round(attentions, logprobs, times)
+
+
 def first_round(attentions, logprobs) -> list[Combo]:
     """Every available attention backend with the reference log-prob (the first available)."""
     return [(a, logprobs[0]) for a in attentions] if logprobs else []
@@ -287,6 +296,16 @@ def second_round(attentions, logprobs, times: dict[Combo, float | None]) -> list
     best = fastest({c: t for c, t in times.items() if c[1] == logprobs[0]}) if logprobs else None
     attention = best[0][0] if best else attentions[0]
     return [(attention, p) for p in logprobs if (attention, p) not in times]
+
+
+def third_round(attentions, logprobs, times: dict[Combo, float | None]) -> list[Combo]:
+    """Every attention backend with the fastest log-prob path found so far, where that is
+    not the reference one (then the first round already timed them)."""
+    best = fastest(times)
+    if best is None:
+        return []
+    path = best[0][1]
+    return [(a, path) for a in attentions if (a, path) not in times]
 
 
 # ------------------------------------------------------------------ report

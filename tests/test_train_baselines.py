@@ -73,6 +73,20 @@ def test_rounds_time_every_backend_then_every_logprob_with_the_fastest_backend()
     assert tb.first_round(attentions, []) == [] and tb.second_round([], logprobs, {}) == []
 
 
+def test_rounds_reach_every_backend_with_the_fastest_logprob_and_read_times_lazily():
+    attentions, logprobs = ["flash_varlen", "cudnn", "fa4"], ["chunked", "areal", "liger"]
+    cost = {"flash_varlen": 10.0, "cudnn": 9.0, "fa4": 12.0, "chunked": 5.0, "areal": 6.0, "liger": 1.0}
+    times, order = {}, []
+    for combos in tb.rounds(attentions, logprobs, times):
+        for a, p in combos:  # the generator reads times only after the previous round is in
+            order.append((a, p))
+            times[(a, p)] = None if a == "fa4" else cost[a] + cost[p]
+    assert order == [("flash_varlen", "chunked"), ("cudnn", "chunked"), ("fa4", "chunked"),
+                     ("cudnn", "areal"), ("cudnn", "liger"), ("flash_varlen", "liger"), ("fa4", "liger")]
+    assert tb.fastest(times) == (("cudnn", "liger"), 10.0)
+    assert tb.third_round(attentions, logprobs, {}) == []
+
+
 def test_select_and_restrict_keep_the_exact_errors_of_skipped_baselines(monkeypatch):
     def broken():
         import tik_no_such_kernel_module  # noqa: F401
