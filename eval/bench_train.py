@@ -24,7 +24,9 @@ Paths (one Hugging Face module, one set of parameters):
   backend with the fastest log-prob (not the full cross product); the fastest of these is
   "fastest stock", and fastest-stock / ours is the headline (the target: >= 1.0x). A baseline that does not import (the kernels
   come from ``$AREAL_TIK_KERNELS_SITE``, appended after the image's site-packages) or fails
-  at run time is printed with its error and its cell skipped.
+  at run time is printed with its error and its cell skipped; one whose log-probs differ
+  from ours by more than 4x the reference combination's (and > 0.25) is printed with its
+  time but not counted (train_baselines.suspect).
 
 Printed per case: ms per step (median of --steps after --warmup; wall clock between CUDA
 synchronisations, Python included), the first call (compilation included: Triton and
@@ -69,7 +71,7 @@ from eval.harness import run_info, write_csv  # noqa: E402
 from eval.train_baselines import (ATTENTIONS, ATTN_NAME, KERNELS_SITE_ENV, LOGPROBS,  # noqa: E402
                                   Baselines, add_kernels_site, attention_labels, attention_status,
                                   fastest, fmt_path, headline, logprob_paths, restrict, rounds,
-                                  select_baselines, stock_attention, use_attention, why)
+                                  select_baselines, stock_attention, suspect, use_attention, why)
 
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.spec import ModelSpec  # noqa: E402
@@ -303,6 +305,33 @@ def _time_path(step, params, device, args, flops: float, warm=None) -> dict:
         return {"error": why(exc)}
 
 
+def _logprobs(step, params):
+    """(log-probs of one step, None) or (None, its error)."""
+    try:
+        _zero(params)
+        return step(), None
+    except Exception as exc:  # noqa: BLE001  (ours' own failure is reported by its timing)
+        return None, why(exc)
+    finally:
+        _zero(params)
+
+
+def _check_logprobs(m: dict, step, params, lp_ours, reference: list) -> float | None:
+    """max |logprob - ours| of one stock step into ``m``; the median to count, or None if
+    the step is suspect (``reference``: the first combination's difference, appended here)."""
+    lp, err = _logprobs(step, params)
+    if lp is None:
+        m["error"] = f"its log-prob check step failed: {err}"
+        return None
+    diff = m["lp_max_abs_diff_vs_ours"] = (lp.float() - lp_ours.float()).abs().max().item()
+    if not reference:
+        reference.append(diff)
+    elif suspect(diff, reference[0]):
+        m["error"] = f"log-probs off from ours by {diff:.3g} (reference {reference[0]:.3g}): not counted"
+        return None
+    return m["median_ms"]
+
+
 def run_case(model: str, pack: str, args, baselines: Baselines, device) -> list[dict]:
     """Time ours and the stock combinations (train_baselines.rounds) for one (model,
     packing). Returns long-format CSV rows."""
@@ -316,11 +345,13 @@ def run_case(model: str, pack: str, args, baselines: Baselines, device) -> list[
     flops = step_flops(spec, lengths)
     warm = None if args.no_warmup else (lambda: run_warmup(hf, spec, sum(lengths), device))
     results = {"ours": _time_path(ours, params, device, args, flops, warm)}
-    times = {}
+    times, lp_ours, reference = {}, _logprobs(ours, params)[0], []
     for combos in rounds(baselines.attentions, baselines.logprobs, times):
         for combo in combos:
             m = results[stock_name(combo)] = _time_path(stock(*combo), params, device, args, flops)
             times[combo] = m.get("median_ms")
+            if "error" not in m and lp_ours is not None:
+                times[combo] = _check_logprobs(m, stock(*combo), params, lp_ours, reference)
     best = fastest(times)
     try:
         agreement = compare(ours, stock(*best[0]), named) if best else {"error": "no stock step ran"}

@@ -162,3 +162,34 @@ def test_bench_attention_fa4_cell_is_a_time_or_its_error(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "prefill: vs flash-attn-4 (eager) min 2.00 max 2.00" in out
     assert f"backward: flash-attn-4 skipped: {ba.FA4['why']}" in out
+
+
+def test_a_stock_step_far_from_ours_is_suspect_and_reported_not_counted():
+    assert not tb.suspect(0.17, 0.17) and not tb.suspect(0.6, 0.17) and tb.suspect(0.7, 0.17)
+    assert not tb.suspect(0.25, 0.01) and tb.suspect(0.26, 0.01)  # the floor
+    assert tb.suspect(float("nan"), 0.1) and not tb.suspect(0.2, None)
+    m = {"median_ms": 5.0, "first_ms": 9.0, "mfu": 0.3, "compiles_first": 0, "compiles_after_first": 0,
+         "lp_max_abs_diff_vs_ours": 0.9, "error": "log-probs off from ours by 0.9 (reference 0.1): not counted"}
+    line = tb.fmt_path(m)
+    assert line.startswith("5.0 ms (first 9 ms, MFU 30.0%") and "max |lp - ours| 0.9" in line
+    assert line.endswith("NOT COUNTED: log-probs off from ours by 0.9 (reference 0.1): not counted")
+    assert tb.fmt_path({"error": "RuntimeError: x"}) == "ERROR RuntimeError: x"
+
+
+def test_check_logprobs_counts_close_steps_and_drops_far_or_failing_ones():
+    from eval.bench_train import _check_logprobs
+    w = torch.nn.Parameter(torch.ones(2))
+    ours, reference = torch.zeros(4), []
+    first = {"median_ms": 3.0}
+    assert _check_logprobs(first, lambda: torch.full((4,), 0.1), [w], ours, reference) == 3.0
+    assert reference == [first["lp_max_abs_diff_vs_ours"]] and abs(reference[0] - 0.1) < 1e-6
+    close, far, broken = {"median_ms": 2.0}, {"median_ms": 1.0}, {"median_ms": 0.5}
+    assert _check_logprobs(close, lambda: torch.full((4,), -0.3), [w], ours, reference) == 2.0
+    assert _check_logprobs(far, lambda: torch.full((4,), 2.0), [w], ours, reference) is None
+    assert far["error"].startswith("log-probs off from ours by 2 (reference 0.1")
+
+    def fails():
+        raise RuntimeError("illegal layout")
+    assert _check_logprobs(broken, fails, [w], ours, reference) is None
+    assert broken["error"] == "its log-prob check step failed: RuntimeError: illegal layout"
+    assert tb.fastest({("a", "p"): 3.0, ("b", "p"): 2.0, ("c", "p"): None}) == (("b", "p"), 2.0)
