@@ -383,7 +383,7 @@ def main(argv=None) -> None:
     for key, value in baselines.skipped.items():
         print(f"{key}: SKIPPED ({value})", flush=True)
     entries_before = _cache_entries()
-    info = {**run_info(device), **notes}
+    info = {**run_info(device), **notes, **{k: f"SKIPPED ({v})" for k, v in baselines.skipped.items()}}
     rows = []
     for name, pack in itertools.product(models, packs):
         rows += [{**info, **row} for row in run_case(name, pack, args, baselines, device)]
