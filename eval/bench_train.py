@@ -65,11 +65,11 @@ import triton  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 from eval.harness import run_info, write_csv  # noqa: E402
-from eval.train_workload import Batch, make_batch, packing, step_flops  # noqa: E402
-from eval.train_baselines import (ATTENTIONS, ATTN_NAME, KERNELS_SITE_ENV, LOGPROBS,  # noqa: E402
-                                  Baselines, add_kernels_site, attention_labels, attention_status,
+from eval.train_baselines import (ATTENTIONS, ATTN_NAME, CUDNN_GQA, FA4_NOTES, KERNELS_SITE_ENV,  # noqa: E402
+                                  LOGPROBS, Baselines, add_kernels_site, attention_labels, attention_status,
                                   fastest, fmt_path, headline, logprob_paths, restrict, rounds,
                                   select_baselines, stock_attention, suspect, use_attention, why)
+from eval.train_workload import Batch, make_batch, packing, step_flops  # noqa: E402
 
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.spec import ModelSpec  # noqa: E402
@@ -390,6 +390,10 @@ def main(argv=None) -> None:
         write_csv(rows, args.out, "bench_train.csv")  # after every case: a timeout keeps the rest
         torch.cuda.empty_cache() if device == "cuda" else None
     headline(rows)
+    for note in FA4_NOTES:
+        print(f"fa4: {note}")
+    if "native" in CUDNN_GQA:
+        print(f"cudnn: GQA {'through enable_gqa' if CUDNN_GQA['native'] else 'by repeated K/V heads'}")
     compiled = _cache_entries() - entries_before
     print(f"triton_cache: {triton.knobs.cache.dir}: {compiled} kernels compiled into it by this run")
     rows.append({**info, "path": "run", "metric": "triton_cache_new_kernels", "value": compiled})

@@ -91,7 +91,7 @@ def pad_index(cu: torch.Tensor, total: int, max_len: int) -> torch.Tensor:
     return seq * max_len + (t - cu[seq])
 
 
-_CUDNN_GQA: dict[str, bool] = {}  # "native": whether cuDNN took enable_gqa (learned once)
+CUDNN_GQA: dict[str, bool] = {}  # "native": whether cuDNN took enable_gqa (learned once)
 
 
 def _cudnn_attention(q, k, v, cu, max_len, scaling):
@@ -105,13 +105,13 @@ def _cudnn_attention(q, k, v, cu, max_len, scaling):
     qp, kp, vp = pad(q), pad(k), pad(v)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        if kp.shape[1] != qp.shape[1] and _CUDNN_GQA.get("native", True):
+        if kp.shape[1] != qp.shape[1] and CUDNN_GQA.get("native", True):
             try:
                 o = sdpa(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=True)
-                _CUDNN_GQA["native"] = True
+                CUDNN_GQA["native"] = True
             except RuntimeError:  # this cuDNN path refuses GQA: repeat K/V from now on
-                _CUDNN_GQA["native"] = False
-        if kp.shape[1] == qp.shape[1] or not _CUDNN_GQA["native"]:
+                CUDNN_GQA["native"] = False
+        if kp.shape[1] == qp.shape[1] or not CUDNN_GQA["native"]:
             group = qp.shape[1] // kp.shape[1]
             kp, vp = (t.repeat_interleave(group, dim=1) for t in (kp, vp))
             o = sdpa(qp, kp, vp, is_causal=True, scale=scaling)
