@@ -22,7 +22,8 @@ SDPA gets both too (cuDNN and flash; efficient eager only). flash-attn-4 (the Cu
 ``flash_attn.cute.flash_attn_varlen_func``, from ``$AREAL_TIK_KERNELS_SITE``) runs on the
 packed rows for prefill (eager and graph) and backward (eager): rows ``flash_attn_4`` and
 ``vs_fa4`` on ours; where it does not import or run, its row holds the error instead of a
-time. Ratios are theirs / ours, per column. Writes a long-format CSV (device, versions, commit, date).
+time. Ratios are theirs / ours, per column. Writes a long-format CSV (device, versions,
+commit, date).
 """
 from __future__ import annotations
 
@@ -231,10 +232,10 @@ def _flat(out) -> torch.Tensor:
     return torch.cat([t.float().flatten() for t in out]) if isinstance(out, tuple) else out.float().flatten()
 
 
-def _time_fa4(make_call, ours_out, rep_ms, graph: bool):
+def _time_fa4(make_call, ours_out, rep_ms, graph: bool, tol: float = 1e-2):
     """flash-attn-4 timed as SDPA is: ((median, p20, p80), rel err vs ours, graph us or
     nan), or the one-line error that skips its cell (not importable, not this GPU, a
-    failed compile, a result off by more than 1e-2)."""
+    failed compile, a result off ours by more than ``tol`` relative)."""
     if FA4.get("fn") is None:
         return FA4.get("why", "not loaded")
     try:
@@ -243,8 +244,8 @@ def _time_fa4(make_call, ours_out, rep_ms, graph: bool):
         torch.cuda.synchronize()
         ref = _flat(ours_out)
         rel = ((_flat(out) - ref).norm() / ref.norm()).item()
-        if not rel < 1e-2:
-            return f"rel err {rel:.3g} vs unified (> 1e-2): not timed"
+        if not rel < tol:
+            return f"rel err {rel:.3g} vs unified (> {tol:g}): not timed"
         g = float("nan")
         if graph:
             try:
@@ -290,7 +291,8 @@ def bench_prefill(cases, rep_ms, info) -> list[dict]:
         qb, kb, vb = _as_batch(q, lengths), _as_batch(k, lengths), _as_batch(v, lengths)
         variants = _sdpa_variants(qb, kb, vb, causal=True)
         _check_close(_as_batch(ours(), lengths), variants, f"prefill {name}")
-        fa4 = _time_fa4(lambda fn: (lambda: _fa4_varlen(fn, q, k, v, cu, max(lengths))), ours(), rep_ms, graph=True)
+        fa4 = _time_fa4(lambda fn: (lambda: _fa4_varlen(fn, q, k, v, cu, max(lengths))), ours(), rep_ms,
+                        graph=True)
         rows += _ratio_rows("prefill", name, (timed(ours, rep_ms), graph_us_or_nan(ours)),
                             _time_sdpa(variants, rep_ms, graph=True), _causal_flops(lengths), "tflops",
                             info, _cfg_name(_attention_fwd.attention_config()), fa4)
@@ -340,7 +342,7 @@ def bench_backward(cases, rep_ms, info) -> list[dict]:
         def fa4_grad(fn):
             o = _fa4_varlen(fn, q, k, v, cu, max(lengths))
             return lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
-        fa4 = _time_fa4(fa4_grad, ours(), rep_ms, graph=False)
+        fa4 = _time_fa4(fa4_grad, ours(), rep_ms, graph=False, tol=2e-2)  # bf16 dq/dk/dv sums
         rows += _ratio_rows("backward", name, (timed(ours, rep_ms), float("nan")),
                             _time_sdpa(variants, rep_ms, graph=False),
                             2.5 * _causal_flops(lengths), "tflops", info,

@@ -22,11 +22,12 @@ Paths (one Hugging Face module, one set of parameters):
   eval/train_baselines.py has them. Every attention backend runs with the reference
   log-prob (``chunked``), every other log-prob path with the fastest attention, then every
   backend with the fastest log-prob (not the full cross product); the fastest of these is
-  "fastest stock", and fastest-stock / ours is the headline (the target: >= 1.0x). A baseline that does not import (the kernels
-  come from ``$AREAL_TIK_KERNELS_SITE``, appended after the image's site-packages) or fails
-  at run time is printed with its error and its cell skipped; one whose log-probs differ
-  from ours by more than 4x the reference combination's (and > 0.25) is printed with its
-  time but not counted (train_baselines.suspect).
+  "fastest stock", and fastest-stock / ours is the headline (the target: >= 1.0x). A
+  baseline that does not import (the kernels come from ``$AREAL_TIK_KERNELS_SITE``, appended
+  after the image's site-packages) or fails at run time is printed with its error and its
+  cell skipped; one whose log-probs differ from ours by more than 4x the reference
+  combination's (and > 0.25) is printed with its time but not counted
+  (train_baselines.suspect).
 
 Printed per case: ms per step (median of --steps after --warmup; wall clock between CUDA
 synchronisations, Python included), the first call (compilation included: Triton and

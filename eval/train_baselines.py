@@ -217,8 +217,9 @@ def logprob_paths() -> dict[str, tuple]:
     """name -> (callable or None, label or the exact import error). ``chunked`` and
     ``areal`` take (logits, labels, T); ``liger`` is the loss module (weight, hidden, labels)."""
     out = {"chunked": (chunked_gather_logprobs, "torch.compile'd chunked log_softmax+gather as AReaL's")}
-    for name, load, label in (("areal", _areal_gather, "AReaL {} gather_logprobs (torch.compile, 1024-token chunks)"),
-                              ("liger", _liger_loss, "Liger-Kernel {} fused linear cross-entropy")):
+    for name, load, label in (
+            ("areal", _areal_gather, "AReaL {} gather_logprobs (torch.compile, 1024-token chunks)"),
+            ("liger", _liger_loss, "Liger-Kernel {} fused linear cross-entropy")):
         try:
             fn = load()
         except Exception as exc:  # noqa: BLE001  (a missing or broken install: named, skipped)
