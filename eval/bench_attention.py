@@ -1,4 +1,4 @@
-"""Benchmark: unified attention vs torch SDPA (cuDNN, flash, efficient), side by side.
+"""Benchmark: unified attention vs torch SDPA (cuDNN, flash, efficient) and flash-attn-4, side by side.
 
 Usage (GPU, repo root):
     python3 -m eval.bench_attention [--quick] [--out DIR_OR_CSV] [--block-size 64]
@@ -18,8 +18,12 @@ per-layer caller does once its batch is validated. Two times per forward case:
   pays the host launch path (Python checks + Triton launch) when the host is slower;
 - ``us_graph``: kernel time from CUDA-graph replays (what a graph-captured decode step
   or a long prefill pays): a graph of 10 x (L2 flush, call) minus a graph of 10 flushes.
-SDPA gets both too (cuDNN and flash; efficient eager only). Ratios are SDPA / ours, per
-column. Writes a long-format CSV (device, versions, commit, date).
+SDPA gets both too (cuDNN and flash; efficient eager only). flash-attn-4 (the CuTe
+``flash_attn.cute.flash_attn_varlen_func``, from ``$AREAL_TIK_KERNELS_SITE``) runs on the
+packed rows for prefill (eager and graph) and backward (eager): rows ``flash_attn_4`` and
+``vs_fa4`` on ours; where it does not import or run, its row holds the error instead of a
+time. Ratios are theirs / ours, per column. Writes a long-format CSV (device, versions,
+commit, date).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 from eval.harness import run_info, write_csv  # noqa: E402
+from eval.train_baselines import AVAILABLE, add_kernels_site, load_fa4_varlen, why  # noqa: E402
 
 import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -171,8 +176,9 @@ def _row(kind, case, impl, us, info, **extra) -> dict:
             **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in extra.items()}, **info}
 
 
-def _ratio_rows(kind, case, ours, sdpa, work, unit, info, config):
-    """Rows for ours and every SDPA backend; ratios are SDPA time / ours (> 1: ours faster).
+def _ratio_rows(kind, case, ours, sdpa, work, unit, info, config, fa4=None):
+    """Rows for ours, every SDPA backend and flash-attn-4 (``fa4``: _time_fa4's tuple, or
+    the error that skipped it); ratios are their time / ours (> 1: ours faster).
     ``ours`` = (eager (median, p20, p80), graph us or nan)."""
     nan = float("nan")
     best = min((t[0][0] for t in sdpa.values()), default=nan)
@@ -184,18 +190,77 @@ def _ratio_rows(kind, case, ours, sdpa, work, unit, info, config):
     rows = [_row(kind, case, "unified", eager, info, **{
         unit: rate(eager[0]), "frac_peak": rate(eager[0]) / peak, "vs_best_sdpa": best / eager[0],
         "vs_sdpa_flash": flash / eager[0], "us_graph": graph, f"{unit}_graph": rate(graph),
-        "vs_best_sdpa_graph": best_g / graph, "config": config})]
+        "vs_best_sdpa_graph": best_g / graph, "config": config,
+        **({"vs_fa4": fa4[0][0] / eager[0], "vs_fa4_graph": fa4[2] / graph} if isinstance(fa4, tuple) else {})})]
     for name, (us, mode, g) in sdpa.items():
         rows.append(_row(kind, case, f"sdpa_{name}", us, info, **{
             unit: rate(us[0]), "frac_peak": rate(us[0]) / peak, "gqa": mode, "us_graph": g,
             f"{unit}_graph": rate(g)}))
+    if isinstance(fa4, tuple):
+        (us, rel_err, g) = fa4
+        rows.append(_row(kind, case, "flash_attn_4", us, info, **{
+            unit: rate(us[0]), "frac_peak": rate(us[0]) / peak, "gqa": "native", "us_graph": g,
+            f"{unit}_graph": rate(g), "rel_err_vs_unified": rel_err}))
+    elif fa4 is not None:
+        rows.append({"op": "attention", "kind": kind, "case": case, "impl": "flash_attn_4", "error": fa4, **info})
     sd = "  ".join(f"{n} {t[0][0]:7.1f}/{t[2]:7.1f}us" for n, t in sdpa.items())
+    if fa4 is not None:
+        sd += f"  fa4 {fa4[0][0]:7.1f}/{fa4[2]:7.1f}us" if isinstance(fa4, tuple) else f"  fa4 SKIPPED ({fa4})"
     unit_s = "TF/s" if unit == "tflops" else "TB/s"
     print(f"{kind:>8} {case:>10}  unified eager {eager[0]:7.1f}us graph {graph:7.1f}us "
           f"{rate(graph):6.2f} {unit_s} ({rate(graph) / peak:4.0%})  vs best SDPA: eager "
           f"{rows[0]['vs_best_sdpa']:5.2f}x graph {rows[0]['vs_best_sdpa_graph']:5.2f}x  "
           f"| eager/graph {sd}", flush=True)
     return rows
+
+
+FA4: dict = {}  # "fn": flash_attn.cute.flash_attn_varlen_func or None, "why": its import error
+
+
+def load_fa4() -> str:
+    """Import flash-attn-4 (CuTe) from the kernels site; "available" or the exact error."""
+    add_kernels_site()
+    try:
+        FA4["fn"] = load_fa4_varlen()
+        return AVAILABLE
+    except Exception as exc:  # noqa: BLE001  (not installed, or its DSL does not import)
+        FA4["fn"], FA4["why"] = None, f"not importable: {why(exc)}"
+        return FA4["why"]
+
+
+def _flat(out) -> torch.Tensor:
+    return torch.cat([t.float().flatten() for t in out]) if isinstance(out, tuple) else out.float().flatten()
+
+
+def _time_fa4(make_call, ours_out, rep_ms, graph: bool, tol: float = 1e-2):
+    """flash-attn-4 timed as SDPA is: ((median, p20, p80), rel err vs ours, graph us or
+    nan), or the one-line error that skips its cell (not importable, not this GPU, a
+    failed compile, a result off ours by more than ``tol`` relative)."""
+    if FA4.get("fn") is None:
+        return FA4.get("why", "not loaded")
+    try:
+        call = make_call(FA4["fn"])
+        out = call()
+        torch.cuda.synchronize()
+        ref = _flat(ours_out)
+        rel = ((_flat(out) - ref).norm() / ref.norm()).item()
+        if not rel < tol:
+            return f"rel err {rel:.3g} vs unified (> {tol:g}): not timed"
+        g = float("nan")
+        if graph:
+            try:
+                g = graph_us(call)
+            except Exception as exc:  # noqa: BLE001  (cannot be captured: eager time only)
+                print(f"    (fa4: no CUDA-graph time: {why(exc)[:80]})")
+                torch.cuda.synchronize()
+        return timed(call, rep_ms), rel, g
+    except Exception as exc:  # noqa: BLE001  (its error is the cell)
+        return why(exc)
+
+
+def _fa4_varlen(fn, q, k, v, cu, max_len):
+    out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _cfg_name(cfg) -> str:
@@ -226,9 +291,11 @@ def bench_prefill(cases, rep_ms, info) -> list[dict]:
         qb, kb, vb = _as_batch(q, lengths), _as_batch(k, lengths), _as_batch(v, lengths)
         variants = _sdpa_variants(qb, kb, vb, causal=True)
         _check_close(_as_batch(ours(), lengths), variants, f"prefill {name}")
+        fa4 = _time_fa4(lambda fn: (lambda: _fa4_varlen(fn, q, k, v, cu, max(lengths))), ours(), rep_ms,
+                        graph=True)
         rows += _ratio_rows("prefill", name, (timed(ours, rep_ms), graph_us_or_nan(ours)),
                             _time_sdpa(variants, rep_ms, graph=True), _causal_flops(lengths), "tflops",
-                            info, _cfg_name(_attention_fwd.attention_config()))
+                            info, _cfg_name(_attention_fwd.attention_config()), fa4)
     return rows
 
 
@@ -271,10 +338,15 @@ def bench_backward(cases, rep_ms, info) -> list[dict]:
             with sdpa_kernel([BACKENDS[bname]]):
                 o = fn()
             variants[bname] = (lambda o=o: torch.autograd.grad(o, (qb, kb, vb), doutb, retain_graph=True), mode)
+
+        def fa4_grad(fn):
+            o = _fa4_varlen(fn, q, k, v, cu, max(lengths))
+            return lambda: torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+        fa4 = _time_fa4(fa4_grad, ours(), rep_ms, graph=False, tol=2e-2)  # bf16 dq/dk/dv sums
         rows += _ratio_rows("backward", name, (timed(ours, rep_ms), float("nan")),
                             _time_sdpa(variants, rep_ms, graph=False),
                             2.5 * _causal_flops(lengths), "tflops", info,
-                            _cfg_name(_attention_bwd.attention_bwd_config()))
+                            _cfg_name(_attention_bwd.attention_bwd_config()), fa4)
     return rows
 
 
@@ -287,6 +359,13 @@ def summarize(rows) -> None:
         if vals:
             print(f"{kind}: {key} min {min(vals):.2f} max {max(vals):.2f}; "
                   f"{sum(v >= target for v in vals)}/{len(vals)} meet {target}x")
+    for kind in ("prefill", "backward"):
+        vals = [r["vs_fa4"] for r in rows if r["kind"] == kind and r["impl"] == "unified" and "vs_fa4" in r]
+        if vals:
+            print(f"{kind}: vs flash-attn-4 (eager) min {min(vals):.2f} max {max(vals):.2f}")
+        for err in dict.fromkeys(r["error"] for r in rows
+                                 if r["kind"] == kind and r["impl"] == "flash_attn_4" and "error" in r):
+            print(f"{kind}: flash-attn-4 skipped: {err}")
     cudnn = {r["case"]: r for r in rows if r["kind"] == "prefill" and r["impl"] == "sdpa_cudnn"}
     for r in rows:
         if r["kind"] == "prefill" and r["impl"] == "unified" and r["case"] in cudnn:
@@ -313,6 +392,7 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", message=".*has been runtime disabled.*")
     info, start = run_info(), time.time()
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}")
+    print(f"flash-attn-4 (CuTe varlen, prefill and backward): {load_fa4()}")
     print(f"forward config {_cfg_name(_attention_fwd.attention_config())}; "
           f"backward {_cfg_name(_attention_bwd.attention_bwd_config())}")
     quick = args.quick

@@ -3,6 +3,7 @@ stock step we can assemble, side by side in one process.
 
 Usage (GPU, repo root):
     python3 -m eval.bench_train [--quick] [--models M,...] [--packings P,...] [--out DIR_OR_CSV]
+        [--attention flash_varlen,cudnn,fa4] [--logprob chunked,areal,liger]
 
 Models: random init from the published configs (Qwen3-0.6B, Qwen3-1.7B, Llama-3.2-1B).
 Packings: ``grpo`` (64 sequences: prompt 48..80 + answer 64 + 256 u^3 tokens, u uniform,
@@ -12,33 +13,37 @@ random g, backward into the parameters (no optimizer, no gradient checkpointing)
 
 Paths (one Hugging Face module, one set of parameters):
 - ``ours``: ``UnifiedCausalLM.forward_logprobs`` on the unified kernels (fused LM-head log-prob).
-- ``stock``: the Hugging Face model's own forward (cuBLAS bf16 GEMMs, HF eager norms, rope
-  and SiLU) with attention registered through transformers' ``AttentionInterface``: torch's
-  FlashAttention varlen over ``cu_seq_lens_q`` (no mask), then bf16 logits [T, V] and AReaL
-  1.0.4's ``gather_logprobs`` (torch.compile'd ``log_softmax(logits.float() / T)`` + gather
-  in 1024-token chunks), or, where AReaL does not import, a stand-in written to match it
-  (named in the output).
-- ``liger``: the HF body + Liger-Kernel's fused linear cross-entropy (per-token, negated),
-  if ``liger_kernel`` imports; else "liger: not installed, column skipped".
+- ``stock:<attention>+<log-prob>``: the Hugging Face model's own forward (cuBLAS bf16 GEMMs,
+  HF eager norms, rope and SiLU) with attention through transformers' ``AttentionInterface``
+  (``flash_varlen``: torch's FlashAttention varlen; ``cudnn``: SDPA's cuDNN backend, padded;
+  ``fa4``: flash-attn-4's CuTe varlen) and a log-prob path (``chunked``: a torch.compile'd
+  1024-token chunked log_softmax + gather as AReaL 1.0.4 writes it; ``areal``: AReaL's own
+  ``gather_logprobs``; ``liger``: Liger-Kernel's fused linear cross-entropy, negated).
+  eval/train_baselines.py has them. Every attention backend runs with the reference
+  log-prob (``chunked``), every other log-prob path with the fastest attention, then every
+  backend with the fastest log-prob (not the full cross product); the fastest of these is
+  "fastest stock", and fastest-stock / ours is the headline (the target: >= 1.0x). A
+  baseline that does not import (the kernels come from ``$AREAL_TIK_KERNELS_SITE``, appended
+  after the image's site-packages) or fails at run time is printed with its error and its
+  cell skipped; one whose log-probs differ from ours by more than 4x the reference
+  combination's (and > 0.25) is printed with its time but not counted
+  (train_baselines.suspect).
 
 Printed per case: ms per step (median of --steps after --warmup; wall clock between CUDA
 synchronisations, Python included), the first call (compilation included: Triton and
 Inductor caches start empty in each run unless --warm-cache; ours runs
 ``unified_kernels.warmup`` first, timed on its own, unless --no-warmup), Triton JIT
-compilations in the first call and in all later ones (the target: 0), stock / ours (> 1:
-ours is faster), peak memory, MFU (model FLOPs 6 N T + causal attention 6 L^2 Hq D per layer and
-sequence, over the measured 790 TFLOP/s bf16 ceiling), and agreement with stock: relative
-Frobenius error of all gradients, the worst parameter, max |delta logprob|, and whether
-ours repeats bit for bit.
+compilations in the first call and in all later ones (the target: 0), peak memory, MFU
+(model FLOPs 6 N T + causal attention 6 L^2 Hq D per layer and sequence, over the measured
+790 TFLOP/s bf16 ceiling) for every path, and agreement with the fastest stock step:
+relative Frobenius error of all gradients, the worst parameter, max |delta logprob|, and
+whether ours repeats bit for bit.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
-import random
-import re
 import statistics
 import sys
 import tempfile
@@ -61,8 +66,11 @@ import triton  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 from eval.harness import run_info, write_csv  # noqa: E402
-from eval.train_baselines import (ATTN_NAME, liger_loss, stock_attention_label, stock_logprob_fn,  # noqa: E402
-                                  varlen_attention)
+from eval.train_baselines import (ATTENTIONS, ATTN_NAME, CUDNN_GQA, FA4_NOTES, KERNELS_SITE_ENV,  # noqa: E402
+                                  LOGPROBS, Baselines, add_kernels_site, attention_labels, attention_status,
+                                  fastest, fmt_path, headline, logprob_paths, restrict, rounds,
+                                  select_baselines, stock_attention, suspect, use_attention, why)
+from eval.train_workload import Batch, make_batch, packing, step_flops  # noqa: E402
 
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.spec import ModelSpec  # noqa: E402
@@ -75,51 +83,6 @@ PACKINGS = ("grpo", "4x4096")
 TEMPERATURE = 1.0  # Liger's loss has no temperature
 
 
-# ------------------------------------------------------------------ workload
-
-
-def packing(name: str, seed: int = 0) -> list[int]:
-    """Sequence lengths of a packing: ``grpo`` or ``NxL``."""
-    if name == "grpo":
-        g = random.Random(seed)
-        return [g.randint(48, 80) + 64 + int(256 * g.random() ** 3) for _ in range(64)]
-    match = re.fullmatch(r"(\d+)x(\d+)", name)
-    if not match or int(match[1]) < 1 or int(match[2]) < 2:
-        raise ValueError(f"packing must be 'grpo' or NxL (N >= 1, L >= 2), got {name!r}")
-    return [int(match[2])] * int(match[1])
-
-
-@dataclasses.dataclass
-class Batch:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, 0.. per sequence
-    cu_seqlens: torch.Tensor  # [n + 1] int32
-    max_seqlen: int
-    targets: torch.Tensor  # [T] next token (AReaL's roll over the packed row)
-    grad_weights: torch.Tensor  # [T] fp32 g of loss = sum(logprob * g)
-
-
-def make_batch(lengths: list[int], vocab: int, device, seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    tokens = sum(lengths)
-    ids = torch.randint(0, vocab, (tokens,), generator=g)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    weights = torch.randn(tokens, generator=g) / tokens ** 0.5
-    return Batch(ids.to(device), positions.to(device), cu.to(device), max(lengths),
-                 torch.roll(ids, -1).to(device), weights.to(device))
-
-
-def step_flops(spec: ModelSpec, lengths: list[int]) -> float:
-    """Model FLOPs of one forward + backward: 6 N T for the matmul parameters (LM head
-    included, embedding lookup not) + causal attention 6 L^2 Hq D per layer and sequence."""
-    h, q, kv = spec.hidden, spec.q_size, spec.kv_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate
-    params = spec.n_layers * per_layer + spec.vocab * h
-    attention = sum(6 * n * n * q for n in lengths) * spec.n_layers
-    return 6.0 * params * sum(lengths) + attention
-
-
 # ------------------------------------------------------------------ steps
 
 
@@ -129,8 +92,9 @@ def _hf_kwargs(b: Batch) -> dict:
                 max_length_q=b.max_seqlen, max_length_k=b.max_seqlen)
 
 
-def make_steps(hf, b: Batch, gather, liger) -> dict:
-    """name -> step(): one forward + backward; returns the detached log-probs."""
+def make_steps(hf, b: Batch, logprobs: dict):
+    """(ours, stock): ``ours()`` and ``stock(attention, log-prob)()`` each run one forward +
+    backward and return the detached log-probs (``logprobs``: logprob_paths())."""
     ours = UnifiedCausalLM.from_hf(hf, kernels="unified")
 
     def finish(lp):
@@ -141,18 +105,22 @@ def make_steps(hf, b: Batch, gather, liger) -> dict:
         return finish(ours.forward_logprobs(b.input_ids, b.positions, b.cu_seqlens, b.max_seqlen,
                                             b.targets, TEMPERATURE))
 
-    def step_stock():
-        logits = hf(**_hf_kwargs(b)).logits[0]
-        return finish(gather(logits, b.targets, TEMPERATURE))
+    def stock(attention, path):
+        fn = logprobs[path][0]
 
-    def step_liger():
-        hidden = hf.model(**_hf_kwargs(b)).last_hidden_state[0]
-        return finish(-liger(hf.get_output_embeddings().weight, hidden, b.targets))
+        def step():
+            use_attention(attention)
+            if path == "liger":
+                hidden = hf.model(**_hf_kwargs(b)).last_hidden_state[0]
+                return finish(-fn(hf.get_output_embeddings().weight, hidden, b.targets))
+            return finish(fn(hf(**_hf_kwargs(b)).logits[0], b.targets, TEMPERATURE))
+        return step
 
-    steps = {"ours": step_ours, "stock": step_stock}
-    if liger is not None:
-        steps["liger"] = step_liger
-    return steps
+    return step_ours, stock
+
+
+def stock_name(combo) -> str:
+    return f"stock:{combo[0]}+{combo[1]}"
 
 
 # ------------------------------------------------------------------ measurement
@@ -229,10 +197,10 @@ def _grads(step, named):
     return lp, [p.grad.detach().clone() for _, p in named]
 
 
-def compare(steps: dict, named) -> dict:
-    """Gradients and log-probs of ours vs stock, and ours vs ours again (bits)."""
-    lp_stock, g_stock = _grads(steps["stock"], named)
-    lp_ours, g_ours = _grads(steps["ours"], named)
+def compare(ours, stock, named) -> dict:
+    """Gradients and log-probs of ours vs a stock step, and ours vs ours again (bits)."""
+    lp_stock, g_stock = _grads(stock, named)
+    lp_ours, g_ours = _grads(ours, named)
     diff2 = ref2 = 0.0
     worst = (0.0, "")
     for (name, _), a, b in zip(named, g_ours, g_stock):
@@ -240,7 +208,7 @@ def compare(steps: dict, named) -> dict:
         diff2, ref2 = diff2 + d2, ref2 + r2
         worst = max(worst, ((d2 / max(r2, 1e-300)) ** 0.5, name))
     del g_stock
-    lp_again, g_again = _grads(steps["ours"], named)
+    lp_again, g_again = _grads(ours, named)
     repeat = all(bitwise_equal(a, b) for a, b in zip(g_ours, g_again)) and bitwise_equal(lp_ours, lp_again)
     return {"grad_rel_err": (diff2 / max(ref2, 1e-300)) ** 0.5, "grad_worst_rel_err": worst[0],
             "grad_worst_param": worst[1], "lp_max_abs_diff": (lp_ours - lp_stock).abs().max().item(),
@@ -275,54 +243,90 @@ def run_warmup(hf, spec, max_rows: int, device) -> dict:
     return {"warmup_ms": (time.perf_counter() - start) * 1e3, "warmup_compiles": COMPILES.count - before}
 
 
-def _fmt(m: dict) -> str:
-    if "error" in m:
-        return f"ERROR {m['error']}"
-    peak = f", peak {m['peak_gib']:.1f} GiB" if "peak_gib" in m else ""
-    warm = f"warm-up {m['warmup_ms']:.0f} ms ({m['warmup_compiles']} JIT compiles), " if "warmup_ms" in m else ""
-    return (f"{m['median_ms']:.1f} ms ({warm}first {m['first_ms']:.0f} ms{peak}, MFU {100 * m['mfu']:.1f}%, "
-            f"JIT compiles first/after {m['compiles_first']}/{m['compiles_after_first']})")
+def _time_path(step, params, device, args, flops: float, warm=None) -> dict:
+    """measure() of one path (after ``warm()``, timed on its own, if given) with its MFU, or
+    {"error": ...}: one failing path must not hide the others' numbers."""
+    try:
+        w = warm() if warm else {}
+        m = {**measure(step, params, device, args.steps, args.warmup), **w}
+        m["tflops"] = flops / (m["median_ms"] * 1e-3) / 1e12
+        m["mfu"] = m["tflops"] / PEAK_TFLOPS
+        return m
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        _zero(params)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return {"error": why(exc)}
 
 
-def run_case(model: str, pack: str, args, gather, liger, device) -> list[dict]:
-    """Time every path for one (model, packing); returns long-format CSV rows."""
+def _logprobs(step, params):
+    """(log-probs of one step, None) or (None, its error)."""
+    try:
+        _zero(params)
+        return step(), None
+    except Exception as exc:  # noqa: BLE001  (ours' own failure is reported by its timing)
+        return None, why(exc)
+    finally:
+        _zero(params)
+
+
+def _check_logprobs(m: dict, step, params, lp_ours, reference: list) -> float | None:
+    """max |logprob - ours| of one stock step into ``m``; the median to count, or None if
+    the step is suspect (``reference``: the first combination's difference, appended here)."""
+    lp, err = _logprobs(step, params)
+    if lp is None:
+        m["error"] = f"its log-prob check step failed: {err}"
+        return None
+    diff = m["lp_max_abs_diff_vs_ours"] = (lp.float() - lp_ours.float()).abs().max().item()
+    if not reference:
+        reference.append(diff)
+    elif suspect(diff, reference[0]):
+        m["error"] = f"log-probs off from ours by {diff:.3g} (reference {reference[0]:.3g}): not counted"
+        return None
+    return m["median_ms"]
+
+
+def run_case(model: str, pack: str, args, baselines: Baselines, device) -> list[dict]:
+    """Time ours and the stock combinations (train_baselines.rounds) for one (model,
+    packing). Returns long-format CSV rows."""
     hf = build_model(model, device)
     spec = ModelSpec.from_hf_config(hf.config)
     lengths = packing(pack)
     batch = make_batch(lengths, spec.vocab, device)
     named = [(n, p) for n, p in hf.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    steps = make_steps(hf, batch, gather, liger)
+    ours, stock = make_steps(hf, batch, baselines.paths)
     flops = step_flops(spec, lengths)
-    results = {}
-    for path, step in steps.items():
-        try:
-            warm = run_warmup(hf, spec, sum(lengths), device) if path == "ours" and not args.no_warmup else {}
-            m = results[path] = {**measure(step, params, device, args.steps, args.warmup), **warm}
-            m["tflops"] = flops / (m["median_ms"] * 1e-3) / 1e12
-            m["mfu"] = m["tflops"] / PEAK_TFLOPS
-        except Exception as exc:  # one failing path must not hide the others' numbers
-            traceback.print_exc()
-            results[path] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
-            _zero(params)
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    warm = None if args.no_warmup else (lambda: run_warmup(hf, spec, sum(lengths), device))
+    results = {"ours": _time_path(ours, params, device, args, flops, warm)}
+    times, lp_ours, reference = {}, _logprobs(ours, params)[0], []
+    for combos in rounds(baselines.attentions, baselines.logprobs, times):
+        for combo in combos:
+            m = results[stock_name(combo)] = _time_path(stock(*combo), params, device, args, flops)
+            times[combo] = m.get("median_ms")
+            if "error" not in m and lp_ours is not None:
+                times[combo] = _check_logprobs(m, stock(*combo), params, lp_ours, reference)
+    best = fastest(times)
     try:
-        agreement = compare(steps, named)
-    except Exception as exc:
+        agreement = compare(ours, stock(*best[0]), named) if best else {"error": "no stock step ran"}
+    except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
-        agreement = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+        agreement = {"error": why(exc)}
     _zero(params)
-    line = [f"{model} {pack} T={sum(lengths)}"] + [f"{path}: {_fmt(m)}" for path, m in results.items()]
-    if liger is None:
-        line.append("liger: not installed, column skipped")
-    ours, stock = results["ours"].get("median_ms"), results["stock"].get("median_ms")
-    if ours and stock:
-        results["compare"] = {**agreement, "stock_over_ours": stock / ours}
-        line.append(f"stock/ours {stock / ours:.2f}x")
-    else:
-        results["compare"] = agreement
-    line.append(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in agreement.items()))
-    print(" | ".join(line), flush=True)
+    results["compare"] = agreement
+    print(f"{model} {pack} T={sum(lengths)}", flush=True)
+    for path, m in results.items():
+        if path != "compare":
+            print(f"  {path}: {fmt_path(m)}", flush=True)
+    ours_ms = results["ours"].get("median_ms")
+    if best and ours_ms:
+        agreement.update(fastest_stock=stock_name(best[0]), fastest_stock_ms=best[1],
+                         fastest_stock_over_ours=best[1] / ours_ms)
+        print(f"  fastest stock {stock_name(best[0])} {best[1]:.1f} ms | fastest-stock/ours "
+              f"{best[1] / ours_ms:.2f}x (target >= 1.0)", flush=True)
+    print("  agreement with the fastest stock: " + ", ".join(
+        f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in agreement.items()
+        if not k.startswith("fastest_stock")), flush=True)
     base = {"model": model, "packing": pack, "tokens": sum(lengths), "sequences": len(lengths),
             "step_gflop": flops / 1e9}
     return [{**base, "path": path, "metric": key, "value": value}
@@ -344,6 +348,10 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first call")
     parser.add_argument("--quick", action="store_true", help="Qwen3-0.6B at the GRPO packing only")
     parser.add_argument("--warm-cache", action="store_true", help="keep the Triton/Inductor disk caches")
+    parser.add_argument("--attention", default=",".join(ATTENTIONS),
+                        help=f"stock attention backends to try, comma list of {list(ATTENTIONS)}")
+    parser.add_argument("--logprob", default=",".join(LOGPROBS),
+                        help=f"stock log-prob paths to try, comma list of {list(LOGPROBS)}")
     parser.add_argument("--no-warmup", action="store_true",
                         help="no unified_kernels.warmup before ours (its first call then compiles)")
     args = parser.parse_args(argv)
@@ -354,25 +362,39 @@ def main(argv=None) -> None:
             raise SystemExit(f"--models: unknown {name!r}; known: {[*MODELS, *TINY]}")
     for pack in packs:
         packing(pack)  # bad names fail before any model is built
+    for flag, known in (("attention", ATTENTIONS), ("logprob", LOGPROBS)):
+        bad = [n for n in getattr(args, flag).split(",") if n not in known]
+        if bad:
+            raise SystemExit(f"--{flag}: unknown {bad}; known: {list(known)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     import transformers
-    transformers.AttentionInterface.register(ATTN_NAME, varlen_attention)
+    transformers.AttentionInterface.register(ATTN_NAME, stock_attention)
     COMPILES.install()
-    gather, gather_label = stock_logprob_fn()
-    liger = liger_loss()
-    notes = {"stock_attention": stock_attention_label(device), "stock_logprob": gather_label,
-             "liger": "installed" if liger is not None else "not installed, column skipped",
+    kernels_site = add_kernels_site()
+    baselines = restrict(select_baselines(attention_status(device), logprob_paths()),
+                         args.attention.split(","), args.logprob.split(","))
+    labels = attention_labels(device)
+    notes = {"kernels_site": ":".join(kernels_site) or f"${KERNELS_SITE_ENV} not set",
+             **{f"attention:{n}": labels[n] for n in baselines.attentions},
+             **{f"logprob:{n}": baselines.paths[n][1] for n in baselines.logprobs},
              "caches": "warm (as found)" if args.warm_cache else "fresh per run",
              "transformers": transformers.__version__}
     for key, value in notes.items():
         print(f"{key}: {value}", flush=True)
+    for key, value in baselines.skipped.items():
+        print(f"{key}: SKIPPED ({value})", flush=True)
     entries_before = _cache_entries()
-    info = {**run_info(device), **notes}
+    info = {**run_info(device), **notes, **{k: f"SKIPPED ({v})" for k, v in baselines.skipped.items()}}
     rows = []
     for name, pack in itertools.product(models, packs):
-        rows += [{**info, **row} for row in run_case(name, pack, args, gather, liger, device)]
-        path = write_csv(rows, args.out, "bench_train.csv")  # after every case: a timeout keeps the rest
+        rows += [{**info, **row} for row in run_case(name, pack, args, baselines, device)]
+        write_csv(rows, args.out, "bench_train.csv")  # after every case: a timeout keeps the rest
         torch.cuda.empty_cache() if device == "cuda" else None
+    headline(rows)
+    for note in FA4_NOTES:
+        print(f"fa4: {note}")
+    if "native" in CUDNN_GQA:
+        print(f"cudnn: GQA {'through enable_gqa' if CUDNN_GQA['native'] else 'by repeated K/V heads'}")
     compiled = _cache_entries() - entries_before
     print(f"triton_cache: {triton.knobs.cache.dir}: {compiled} kernels compiled into it by this run")
     rows.append({**info, "path": "run", "metric": "triton_cache_new_kernels", "value": compiled})

@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
-#           bench_train bench_train_cache bench_layers linear_tree tree_cost
+#           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
+#           linear_tree tree_cost
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
@@ -31,7 +32,9 @@ mkdir -p "$OUT" "$W/csv"
 STAGE=${STAGE:-/tmp/areal-tik-stage} SITE=${SITE:-/tmp/areal-tik-site}
 VSTAGE=${VSTAGE:-/tmp/areal-tik-vllm-stage} VSITE=${VSITE:-/tmp/areal-tik-vllm-site}
 KSITE=${KSITE:-/tmp/areal-tik-kern-site}
-export AREAL_TIK_VLLM_SITE=$VSITE AREAL_TIK_KERNELS_SITE=$KSITE  # read by eval/bench_vllm.py
+# read by eval/bench_vllm.py (vLLM) and eval/bench_train.py, eval/bench_attention.py (kernels,
+# appended after the image's site-packages; a baseline missing there is named and skipped)
+export AREAL_TIK_VLLM_SITE=$VSITE AREAL_TIK_KERNELS_SITE=$KSITE
 GRPO_OUT=${GRPO_OUT:-/tmp/areal-tik-grpo}  # per-mode JSONs, kept across calls
 RUNS_OUT=${RUNS_OUT:-/tmp/areal-tik-runs}  # recipe run folders, kept across calls
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -57,7 +60,8 @@ for s in $STAGES; do case $s in
   linear_tree) run linear_tree_tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/test_linear_tree.py
                run bench_linear_tree 240 python3 -m eval.bench_linear --k-groups 8 --out "$W/csv" ;;
   tree_cost) run bench_linear_tree 240 python3 -m eval.bench_linear --k-groups 8 --out "$W/csv" ;;  # the cost alone
-  bench_attn) run bench_attention 120 python3 -m eval.bench_attention --out "$W/csv" ;;
+  # flash-attn-4 beside SDPA (its CuTe kernels compile on first use: about a minute more)
+  bench_attn) run bench_attention 240 python3 -m eval.bench_attention --out "$W/csv" ;;
   probe_attn) run probe_attention 160 python3 -m eval.probe_attention ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
            run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json
@@ -94,9 +98,21 @@ for s in $STAGES; do case $s in
             run "$s" 560 python3 -m eval.bench_grpo --model "$model" --modes "$mode" --steps "${GRPO_STEPS:-20}" \
                 --max-new-tokens "${GRPO_MAX_NEW:-128}" --out "$GRPO_OUT" --workdir /tmp/grpo-bench --with-existing
             cp "$GRPO_OUT"/* "$W/csv"/ 2>/dev/null ;;
-  # Training step, unified vs HF + FlashAttention varlen + AReaL's compiled log-prob (its
-  # stand-in without "deps"): 3 models x 2 packings, cold compile caches; ~4 min.
+  # Training step, unified vs the fastest stock step: HF + {torch FlashAttention varlen, cuDNN
+  # SDPA, flash-attn-4} x {compiled chunked, AReaL's gather_logprobs (needs "deps"), Liger}
+  # (the kernels need "vllm_deps"), cold compile caches. With every baseline present all 3
+  # models x 2 packings do not fit 420 s: bench_train_<model> runs one model (both packings,
+  # ~3-4 min), one call each; bench_train (all models) keeps the cases that finish in time.
   bench_train) run bench_train 420 python3 -m eval.bench_train --out "$W/csv" ;;
+  # The same recipe twice on one persistent Triton cache: the second run must compile nothing
+  # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
+  bench_train_cache) ( export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
+             run bench_train_run1 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --attention flash_varlen --logprob chunked --out "$W/csv/run1.csv"
+             run bench_train_run2 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --attention flash_varlen --logprob chunked --out "$W/csv/run2.csv" ) ;;
+  # $BENCH_TRAIN_ARGS adds flags (e.g. --packings grpo; --attention flash_varlen,cudnn).
+  bench_train_*) m=${s#bench_train_}
+                 run "$s" 420 python3 -m eval.bench_train --models "$m" --out "$W/csv/bench_train_$m.csv" \
+                     ${BENCH_TRAIN_ARGS:-} ;;
   # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
   # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
   bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
@@ -109,8 +125,6 @@ for s in $STAGES; do case $s in
                         --ops attention --budget-s attention=420 ;;
   optimize_linear) run optimize_linear 570 python3 -m eval.optimize_gpu --out "$OUT/linear" \
                      --ops linear --budget-s linear=420 ;;
-  # The same recipe twice on one persistent Triton cache: the second run must compile nothing
-  # (its "triton_cache" line: 0 kernels compiled; warm-up then only loads from disk).
   # Tensor-parallel rollout on 2 GPUs (Qwen3-1.7B, Llama-3.2-1B configs): bitwise rate vs
   # TP = 1 engine and training forward, tokens/s; with CUDA graphs, then eager if that fails.
   # TP_MODELS picks the models (one per call if both do not fit in 10 minutes).
@@ -119,9 +133,6 @@ for s in $STAGES; do case $s in
   # The tensor-parallel server (two processes, NCCL between them) against TP = 1 and training.
   tp_server) run tp_server 570 python3 -m eval.check_tp_server --trainer-device "${TP_SERVER_TRAINER:-cuda:2}" \
                --out "$W/csv" ;;
-  bench_train_cache) ( export TRITON_CACHE_DIR=/tmp/areal-tik-triton-cache && rm -rf "$TRITON_CACHE_DIR"
-             run bench_train_run1 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run1.csv"
-             run bench_train_run2 240 python3 -m eval.bench_train --quick --warm-cache --steps 3 --out "$W/csv/run2.csv" ) ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" .
 log done

@@ -7,7 +7,7 @@ import torch
 
 from areal_tik.model import published_config
 from areal_tik.model.spec import ModelSpec
-from eval.bench_train import make_batch, packing, step_flops
+from eval.train_workload import make_batch, packing, step_flops
 
 
 def test_grpo_packing_is_a_fixed_long_tailed_mix_of_about_12k_tokens():
