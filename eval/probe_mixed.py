@@ -33,6 +33,7 @@ import statistics
 import time
 
 import torch
+from triton.testing import do_bench
 
 from eval.bench_attention import graph_us
 from eval.probe_attention import _paged, _randn
@@ -67,6 +68,16 @@ def first_call_s(fn) -> float:
 def _row(name: str, ms: float, flops: float, first_s: float | None = None, extra: str = "") -> None:
     first = f"  first call {first_s:6.2f} s" if first_s is not None else ""
     print(f"  {name:44s} {ms:8.3f} ms  {flops / ms * 1e-9:7.1f} TFLOP/s{first}{extra}", flush=True)
+
+
+def kernel_ms(fn, reps: int = 5) -> tuple[float, str]:
+    """(ms, how): from CUDA-graph replays, or do_bench (eager, L2 cleared) where a call
+    cannot be captured."""
+    try:
+        return graph_us(fn, reps=reps, trials=5) / 1e3, ""
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=10, rep=50), " (eager do_bench)"
 
 
 def _bits(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -107,13 +118,13 @@ def _probe_sdpa(q, k, v, start: int, ours: torch.Tensor) -> None:
             first = first_call_s(fn)
             ref = fn()[0].transpose(0, 1).float()
             err = ((ours.float() - ref).norm() / ref.norm()).item()
-            ms = graph_us(fn, reps=3, trials=3) / 1e3
+            ms, how = kernel_ms(fn, reps=3)
         except RuntimeError as exc:  # a backend that refuses the mask or the shape: say so
             torch.cuda.synchronize()
             print(f"  {label:44s} not run: {str(exc).splitlines()[0][:90]}", flush=True)
             continue
         _row(f"{label} @{start // 1024}K", ms, causal_flops(start, CHUNK), first,
-             f"  rel err vs ours {err:.1e}")
+             f"  rel err vs ours {err:.1e}{how}")
 
 
 def probe_kernels() -> None:
@@ -125,10 +136,9 @@ def probe_kernels() -> None:
     full_call = lambda: attention_varlen(q, k, v, cu_full, CONTEXT, validate=False)  # noqa: E731
     first = first_call_s(full_call)
     full = full_call()
-    _row("contiguous prefill, 16K sequence", graph_us(full_call, reps=3, trials=3) / 1e3,
-         causal_flops(0, CONTEXT), first)
+    _row("contiguous prefill, 16K sequence", kernel_ms(full_call, reps=3)[0], causal_flops(0, CONTEXT), first)
     short = lambda: attention_varlen(q[:CHUNK], k[:CHUNK], v[:CHUNK], cu, CHUNK, validate=False)  # noqa: E731
-    _row("contiguous prefill, 2K sequence", graph_us(short, reps=10) / 1e3, causal_flops(0, CHUNK))
+    _row("contiguous prefill, 2K sequence", kernel_ms(short, reps=10)[0], causal_flops(0, CHUNK))
     one_sub = dataclasses.replace(F.GPU_CONFIG, prefill_subtiles=1)
     for label, cfg in (("paged chunk (default)", None), ("paged chunk, prefill_subtiles=1", one_sub)):
         for i, start in enumerate(STARTS):
@@ -138,8 +148,8 @@ def probe_kernels() -> None:
                 return attention_paged_prefill(qs, kc, vc, cu, CHUNK, table, starts, validate=False, config=cfg)
             first = first_call_s(fn) if i == 0 else None
             same = _bits(fn(), full[start:start + CHUNK])
-            _row(f"{label} @{start // 1024}K", graph_us(fn, reps=5, trials=5) / 1e3,
-                 causal_flops(start, CHUNK), first, f"  rows == contiguous 16K: {same}")
+            _row(f"{label} @{start // 1024}K", kernel_ms(fn)[0], causal_flops(start, CHUNK), first,
+                 f"  rows == contiguous 16K: {same}")
     for start in (STARTS[2], STARTS[3]):
         _probe_sdpa(q, k, v, start, full[start:start + CHUNK])
 
@@ -212,13 +222,17 @@ def profile_call(fn, what: str) -> None:
 
 class MixedSteps:
     """Wraps ``runner.run`` in place (the engine's own step path): the wall time of each
-    mixed step by the long prompt's chunk start, and one step run under torch.profiler."""
+    mixed step by the long prompt's chunk start and of each decode-only step; one mixed
+    step (chunk at ``profile_start``) and one decode-only step (the ``DECODE_PROFILED``-th)
+    run under torch.profiler, kept in ``profiles`` as label -> (profile, wall s)."""
+
+    DECODE_PROFILED = 4
 
     def __init__(self, runner, long_len: int, profile_start: int):
         self.runner, self.long_len, self.profile_start = runner, long_len, profile_start
         self.walls: list[tuple[int, float]] = []
         self.decode_walls: list[float] = []
-        self.prof, self.prof_wall = None, 0.0
+        self.profiles: dict[str, tuple] = {}
         self._run = runner.run
         runner.run = self.run
 
@@ -233,8 +247,12 @@ class MixedSteps:
 
     def run(self, seqs, *args, **kwargs):
         start = self._chunk_start(seqs)
-        if start == self.profile_start and self.prof is None:
-            return self._profiled(seqs, *args, **kwargs)
+        if start == self.profile_start and "mixed" not in self.profiles:
+            label = f"mixed step, chunk @{start} + {len(seqs) - 1} decode rows (engine thread)"
+            return self._profiled("mixed", label, seqs, *args, **kwargs)
+        if start == -1 and len(self.decode_walls) == self.DECODE_PROFILED and "decode" not in self.profiles:
+            return self._profiled("decode", f"decode-only step, {len(seqs)} rows (engine thread)", seqs,
+                                  *args, **kwargs)
         t = time.perf_counter()
         out = self._run(seqs, *args, **kwargs)
         wall = time.perf_counter() - t
@@ -244,22 +262,31 @@ class MixedSteps:
             self.walls.append((start, wall))
         return out
 
-    def _profiled(self, seqs, *args, **kwargs):
+    def _profiled(self, key: str, label: str, seqs, *args, **kwargs):
         from torch.profiler import ProfilerActivity, profile
 
         runner = self.runner
         labelled = [(name, getattr(runner, name)) for name in ("prepare_prefill", "_prefill", "_decode", "sample")]
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        try:
+            prof.start()
+        except Exception as exc:  # noqa: BLE001  (the step must run whatever the profiler does)
+            self.profiles[key] = (f"{label}: profiler did not start ({exc})", None, 0.0)
+            return self._run(seqs, *args, **kwargs)
         for name, fn in labelled:  # instance attributes shadow the methods while profiling
             setattr(runner, name, _in_range(f"step::{name}", fn))
         try:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                t = time.perf_counter()
-                out = self._run(seqs, *args, **kwargs)  # ends in a blocking copy: the step is done
-                self.prof_wall = time.perf_counter() - t
+            t = time.perf_counter()
+            out = self._run(seqs, *args, **kwargs)  # ends in a blocking copy: the step is done
+            wall = time.perf_counter() - t
         finally:
             for name, _ in labelled:
                 delattr(runner, name)
-        self.prof = prof
+            try:
+                prof.stop()
+            except Exception as exc:  # noqa: BLE001
+                label, prof = f"{label}: profiler did not stop ({exc})", None
+        self.profiles[key] = (label, prof, wall)
         return out
 
 
@@ -330,10 +357,15 @@ def probe_engine(model, decoders: int = 32, short: int = 512, answer: int = 64, 
     before = statistics.median(steps.decode_walls) * 1e3 if steps.decode_walls else float("nan")
     print(f"  mixed step wall by chunk start (ms, unprofiled): {walls}; median decode-only step {before:.2f} ms",
           flush=True)
-    if steps.prof is None:
-        print(f"  no mixed step with the chunk at {context // 2} was seen: nothing profiled", flush=True)
-        return
-    report_profile(steps.prof, steps.prof_wall, f"mixed step, chunk @{context // 2} (engine thread)")
+    for key in ("decode", "mixed"):
+        if key not in steps.profiles:
+            print(f"  no {key} step to profile was seen (mixed: the chunk at {context // 2})", flush=True)
+            continue
+        label, prof, wall = steps.profiles[key]
+        if prof is None:
+            print(f"  {label}", flush=True)
+            continue
+        report_profile(prof, wall, label, top=15 if key == "mixed" else 8)
 
 
 def main(argv=None) -> int:
@@ -344,8 +376,9 @@ def main(argv=None) -> int:
         raise SystemExit("probe_mixed needs a CUDA GPU")
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    # The profiler's first use registers it with CUPTI: here, on the main thread (the
-    # engine's step thread starts it later; started there first, kineto refuses).
+    # The profiler's first use registers it with kineto: here, on the main thread (the
+    # engine's step thread starts it later; started first there, kineto logged "External
+    # init callback must run in same thread as registerClient" in a CPU trial).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
         torch.ones(1, device=DEV).add_(1)
         torch.cuda.synchronize()
@@ -357,9 +390,9 @@ def main(argv=None) -> int:
 
         kind, key = RANDOM_INIT["qwen3-0.6b"]
         model = UnifiedCausalLM.from_hf(random_model(published_config(key), device=DEV, seed=0), kernels="unified")
-        probe_engine(model)  # first: its start compiles every kernel the model part runs
-        print(f"  (engine done at {time.time() - t0:.0f} s)", flush=True)
         probe_model(model)
+        print(f"  (model done at {time.time() - t0:.0f} s)", flush=True)
+        probe_engine(model)  # last: it runs the profiler on the engine's step thread
     print(f"probe done in {time.time() - t0:.0f} s")
     return 0
 
