@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
-#   stages: env tests bench_ops sweep_linear bench_attn probe_attn qualify check bench_rollout bench_prefix
+#   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed qualify check bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree tree_cost
@@ -63,6 +63,10 @@ for s in $STAGES; do case $s in
   # flash-attn-4 beside SDPA (its CuTe kernels compile on first use: about a minute more)
   bench_attn) run bench_attention 240 python3 -m eval.bench_attention --out "$W/csv" ;;
   probe_attn) run probe_attention 160 python3 -m eval.probe_attention ;;
+  # A chunked-prefill step taken apart (~60-90 s): the paged prefill kernel by chunk start
+  # beside contiguous prefill and SDPA, the model's chunk eager vs graph-replayed, and one
+  # engine mixed step under torch.profiler (top kernels, host wall vs GPU busy time).
+  probe_mixed) run probe_mixed 150 python3 -m eval.probe_mixed; cat "$W/probe_mixed.log" ;;  # all of it
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
            run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json
              for pass in cold warm; do echo "-- $pass"; python3 -m areal_tik.qualify --refresh || exit $?; done

@@ -232,8 +232,5 @@ class BlockManager:
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
 
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        return [self.slot(seq, p) for p in range(start, end)]
-
     def _needs_block(self, seq: Sequence) -> int:
         return int(len(seq.block_table) < self.blocks_for(seq.num_tokens))

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from . import sampler
-from .block_manager import SCRATCH_BLOCK, BlockManager
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, graph_buckets, table_widths
 from .decode_inputs import DecodeInputs
+from .prefill_inputs import prefill_inputs
 from .sequence import Sequence, split_step, step_kind
 
 logger = logging.getLogger(__name__)
@@ -206,35 +207,9 @@ class ModelRunner:
         return t
 
     def prepare_prefill(self, seqs: list[Sequence]) -> dict:
-        """Inputs of the chunks [num_computed, num_computed + num_scheduled) of ``seqs``.
-        Chunks that start past position 0 (a later chunk, or after a prefix-cache hit)
-        attend over the paged cache: then the block tables and start positions go too."""
-        ids, positions, slots, cu, logits, starts = [], [], [], [0], [], []
-        for seq in seqs:
-            a = seq.num_computed_tokens
-            b = a + seq.num_scheduled_tokens
-            ids.extend(seq.token_ids[a:b])
-            positions.extend(range(a, b))
-            slots.extend(self.block_manager.slots(seq, a, b))
-            cu.append(cu[-1] + b - a)
-            starts.append(a)
-            if b == seq.num_tokens:  # the chunk ends the sequence: its last row samples
-                logits.append(cu[-1] - 1)
-        inputs = dict(
-            input_ids=self._to_device(ids, torch.int64),
-            positions=self._to_device(positions, torch.int64),
-            cu_seqlens=self._to_device(cu, torch.int32),
-            max_seqlen=max(e - s for s, e in zip(cu[:-1], cu[1:])),
-            slot_mapping=self._to_device(slots, torch.int64),
-            # a step of chunks only still needs one row for the final norm: discarded
-            logits_indices=self._to_device(logits or [cu[-1] - 1], torch.int64),
-        )
-        if any(starts):
-            width = max(len(s.block_table) for s in seqs)
-            tables = [s.block_table + [SCRATCH_BLOCK] * (width - len(s.block_table)) for s in seqs]
-            inputs.update(block_tables=self._to_device(tables, torch.int32),
-                          query_starts=self._to_device(starts, torch.int32))
-        return inputs
+        """Inputs of the chunks [num_computed, num_computed + num_scheduled) of ``seqs``
+        (``prefill_inputs``: two transfers, no per-token Python)."""
+        return prefill_inputs(seqs, self.block_size, self.device)
 
     # ------------------------------------------------------------------ forward
 
