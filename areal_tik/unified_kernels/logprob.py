@@ -244,21 +244,43 @@ _BWD_BLOCK = (16, 64) if interpreting() else (32, 128)
 _BWD_BUDGET = 1 << 27  # elements of one [T, chunk] backward buffer (256 MiB in bf16)
 
 
+def vocab_splits(V: int, H: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(split_v, n_splits)``: the fixed vocabulary splits of the forward for (V, H, dtype).
+    Split i covers columns ``[i * split_v, min((i + 1) * split_v, V))``."""
+    split_v = logprob_config(V, H, dtype).split_v
+    return split_v, triton.cdiv(V, split_v)
+
+
+def check_vocab_shards(V: int, H: int, dtype: torch.dtype, size: int) -> None:
+    """ValueError naming both numbers unless ``size`` shards take whole runs of the splits."""
+    split_v, n_splits = vocab_splits(V, H, dtype)
+    if n_splits % size:
+        raise ValueError(f"vocab_parallel: tensor_parallel_size={size} does not divide the LM head's "
+                         f"vocabulary splits ({n_splits} splits of {split_v} for vocab {V})")
+
+
 def _forward(hidden, weight, targets, temperature, entropy, write_logits, tiles=None):
     """Launch both kernels; returns (logprob | None, entropy | None, lse, logits | None)."""
+    V = weight.shape[0]
+    state, tz, logits = _partial(hidden, weight, targets, temperature, entropy, write_logits,
+                                 tiles or logprob_config(V, hidden.shape[1], weight.dtype))
+    lp, ent, lse = _combine(state, tz, targets, V, entropy)
+    return lp, ent, lse, logits
+
+
+def _partial(hidden, weight, targets, temperature, entropy, write_logits, tiles):
+    """The first launch over ``weight``'s rows: (state [2|3, n_splits, T], tz, logits | None)."""
     T, H = hidden.shape
     V = weight.shape[0]
-    tiles = tiles or logprob_config(V, H, weight.dtype)
     n_splits = triton.cdiv(V, tiles.split_v)
     dev = hidden.device
     has_t = targets is not None
     state = _empty((3 if entropy else 2, n_splits, T), torch.float32, dev)
     tz = _empty((T,) if has_t else (1,), torch.float32, dev)
     logits = _empty((T, V) if write_logits else (1, 1), weight.dtype, dev)
-    dummy_t = targets if has_t else tz
     grid = (triton.cdiv(T, tiles.block_t) * n_splits,)
     _lse_partial_kernel[grid](
-        hidden, weight, dummy_t, logits, state, tz, T, V, H, n_splits,
+        hidden, weight, targets if has_t else tz, logits, state, tz, T, V, H, n_splits,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), logits.stride(0),
         float(temperature),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_K=tiles.block_k,
@@ -268,14 +290,23 @@ def _forward(hidden, weight, targets, temperature, entropy, write_logits, tiles=
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         enable_fp_fusion=False,  # no FMA contraction: the same rounding in every variant
     )
+    return state, tz, (logits if write_logits else None)
+
+
+def _combine(state, tz, targets, V, entropy):
+    """The second launch: the splits of ``state`` merged in index order -> (lp, ent, lse)."""
+    n_splits, T = state.shape[1:]
+    dev = state.device
+    has_t = targets is not None
     lse = _empty((T,), torch.float32, dev)
     lp = _empty((T,), torch.float32, dev) if has_t else None
     ent = _empty((T,), torch.float32, dev) if entropy else None
     _combine_kernel[(triton.cdiv(T, _COMBINE_BLOCK),)](
-        state, tz, dummy_t, lse, lp if has_t else lse, ent if entropy else lse, T, V, n_splits,
+        state, tz, targets if has_t else tz, lse, lp if has_t else lse, ent if entropy else lse,
+        T, V, n_splits,
         BLOCK=_COMBINE_BLOCK, HAS_TARGETS=has_t, ENTROPY=entropy, enable_fp_fusion=False,
     )
-    return lp, ent, lse, (logits if write_logits else None)
+    return lp, ent, lse
 
 
 def _empty(shape, dtype, device):
@@ -409,6 +440,42 @@ def lm_head_logits_lse(hidden, weight, temperature=1.0):
     with torch.no_grad():
         _, _, lse, logits = _forward(hidden, weight, None, temperature, False, True)
     return logits, lse
+
+
+def lm_head_logits_lse_partial(hidden, weight_shard, vocab: int, temperature=1.0):
+    """One vocabulary shard's part of ``lm_head_logits_lse``: ``(logits [T, V_r], state)``.
+
+    ``weight_shard`` holds whole splits of ``vocab_splits(vocab, H, dtype)`` (rows
+    ``[i * split_v, ...)`` of the full weight, starting at a split boundary; only the last
+    shard may end inside a split, at ``vocab``). Every program sees the columns, chunks and
+    K order it sees in the one-device launch (splits are anchored at their own start), so
+    the logits are those columns of the full logits and ``state`` ``[2, n_r, T]`` fp32 holds
+    the full launch's (max, sum-exp) of those splits, bitwise. No autograd (sampling).
+    """
+    _check_head(hidden, weight_shard)
+    check_same_device(hidden=hidden, weight=weight_shard)
+    temperature = check_positive_float("temperature", temperature)
+    tiles = logprob_config(vocab, hidden.shape[1], weight_shard.dtype)  # the full model's schedule
+    if weight_shard.shape[0] > vocab:
+        raise ValueError(f"weight_shard has {weight_shard.shape[0]} rows, more than vocab={vocab}")
+    with torch.no_grad():
+        state, _, logits = _partial(hidden, weight_shard, None, temperature, False, True, tiles)
+    return logits, state
+
+
+def combine_lse_partials(states) -> torch.Tensor:
+    """``lse`` [T] fp32 from the shards' states in vocabulary order: their splits laid end to
+    end (a copy) and merged 0, 1, ... by the one-device combine kernel, so the result equals
+    ``lm_head_logits_lse``'s ``lse`` bit for bit."""
+    states = list(states)
+    if not states:
+        raise ValueError("combine_lse_partials needs at least one state")
+    for i, st in enumerate(states):
+        check_tensor(f"states[{i}]", st, dtypes=(torch.float32,), ndim=3)
+        if st.shape[0] != 2 or st.shape[2] != states[0].shape[2]:
+            raise ValueError(f"states[{i}] must be [2, n_splits, {states[0].shape[2]}], got {tuple(st.shape)}")
+    state = torch.cat(states, dim=1)
+    return _combine(state, state, None, 1, False)[2]
 
 
 def gather_logprobs(logits, lse, targets, temperature=1.0):

@@ -1,0 +1,115 @@
+"""Vocabulary parallelism of the embedding and LM head (model/vocab_parallel.py), in one
+process: each shard's kernel part, laid end to end and combined, == the one-device LM head
+bitwise; the embedding's select keeps every bit (-0.0 included); bad splits refused.
+The multi-rank engine runs are in test_tensor_parallel.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areal_tik.engine import EngineConfig
+from areal_tik.engine.sampler import sample
+from areal_tik.model import ModelSpec, UnifiedCausalLM, random_model, tiny_config
+from areal_tik.model.tensor_parallel import shard_model
+from areal_tik.model.vocab_parallel import VocabShard, vocab_split_count
+from areal_tik.unified_kernels.logprob import (combine_lse_partials, lm_head_logits_lse,
+                                               lm_head_logits_lse_partial, vocab_splits)
+
+from ._bits import assert_bitwise
+
+H = 32
+
+
+def _spec(vocab: int) -> ModelSpec:
+    return ModelSpec.from_hf_config(tiny_config("qwen3", vocab_size=vocab))
+
+
+def _head(vocab: int, seed: int = 3, T: int = 40):  # 40 rows: a wrong split order shows
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=gen).bfloat16()
+    weight = (torch.randn(vocab, H, generator=gen) * 0.5).bfloat16()
+    return hidden, weight
+
+
+def _shards(vocab: int, size: int) -> list[VocabShard]:
+    return [VocabShard.of(_spec(vocab), torch.bfloat16, r, size) for r in range(size)]
+
+
+def _sharded_logits_lse(hidden, weight, size, temperature):
+    """Every shard's part on this process, then the gathers' result: rank order, padded slots."""
+    shards = _shards(weight.shape[0], size)
+    parts = [lm_head_logits_lse_partial(hidden, weight[s.start:s.stop], weight.shape[0], temperature)
+             for s in shards]
+    logits = torch.cat([torch.nn.functional.pad(lg, (0, s.width - lg.shape[1]))
+                        for s, (lg, _) in zip(shards, parts)], dim=1)[:, :weight.shape[0]]
+    return logits, combine_lse_partials([st for _, st in parts])
+
+
+@pytest.mark.parametrize("vocab, size", [(256, 2), (256, 4), (250, 2), (250, 4)])
+def test_shard_parts_combine_to_the_one_device_lm_head(vocab, size):
+    split_v, n_splits = vocab_splits(vocab, H, torch.bfloat16)
+    assert n_splits % size == 0 and (vocab % split_v == 0) == (vocab == 256)  # 250: a partial last split
+    hidden, weight = _head(vocab)
+    for temperature in (1.0, 0.7):
+        logits, lse = lm_head_logits_lse(hidden, weight, temperature)
+        got_logits, got_lse = _sharded_logits_lse(hidden, weight, size, temperature)
+        assert_bitwise(got_logits, logits, f"logits, {size} shards, T={temperature}")
+        assert_bitwise(got_lse, lse, f"lse, {size} shards, T={temperature}")
+
+
+def test_a_tie_across_a_shard_boundary_picks_the_tp1_token():
+    # Rows 127 and 128 (the last of shard 0 and the first of shard 1 at TP = 2) are equal and
+    # dominate: the logits tie there, and greedy and Gumbel sampling over the gathered row
+    # resolve it as TP = 1 does (greedy: the first maximal index, 127).
+    hidden, weight = _head(256, seed=4, T=3)
+    weight[127] = weight[128] = hidden[0] * 4
+    logits, lse = lm_head_logits_lse(hidden, weight)
+    got, got_lse = _sharded_logits_lse(hidden, weight, 2, 1.0)
+    assert logits[0, 127] == logits[0, 128] == logits[0].max()
+    assert_bitwise(got, logits, "tied logits")
+    assert_bitwise(got_lse, lse, "lse")
+    keys = torch.arange(3, dtype=torch.int64)
+    assert sample(got, 0.0, keys, keys)[0] == 127
+    for temperature in (1.0, 0.5):
+        assert torch.equal(sample(got, temperature, keys, keys), sample(logits, temperature, keys, keys))
+
+
+def test_the_embedding_select_keeps_every_bit():
+    vocab, size = 256, 4
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(vocab, H, generator=gen).bfloat16()
+    weight[200, :4] = -0.0  # a sum with the other ranks' zeros would turn these into +0.0
+    ids = torch.tensor([0, 63, 64, 127, 128, 200, 255, 200])
+    shards = _shards(vocab, size)
+    rows = {}
+
+    def gather_of(rank):
+        def gather(local):
+            rows[rank] = local
+            return [rows.get(r, torch.zeros_like(local)) for r in range(size)]
+        return gather
+    for r, s in enumerate(shards):  # fill every rank's rows first, then select on each
+        s.embed(ids, weight[s.start:s.stop], gather_of(r))
+    for r, s in enumerate(shards):
+        got = s.embed(ids, weight[s.start:s.stop], gather_of(r))
+        assert_bitwise(got, torch.nn.functional.embedding(ids, weight), f"rank {r}'s embedding")
+
+
+def test_bad_vocab_splits_are_refused_naming_both_numbers():
+    split_v, n_splits = vocab_split_count(_spec(192), torch.bfloat16)
+    assert n_splits == 3
+    config = EngineConfig(tensor_parallel_size=2, k_groups=2, vocab_parallel=True)
+    words = f"tensor_parallel_size=2 does not divide the LM head's vocabulary splits (3 splits of {split_v}"
+    with pytest.raises(ValueError) as info:
+        config.check_model(_spec(192), torch.bfloat16)
+    assert words in str(info.value)
+    config.check_model(_spec(256), torch.bfloat16)  # 4 splits: fine
+    EngineConfig(tensor_parallel_size=2, k_groups=2).check_model(_spec(192))  # replicated: fine
+    model = UnifiedCausalLM.from_hf(random_model(tiny_config("qwen3", vocab_size=192), seed=1), k_groups=2)
+    with pytest.raises(ValueError) as info:
+        shard_model(model, 0, 2, None, vocab_parallel=True)
+    assert words in str(info.value)
+    with pytest.raises(ValueError, match="vocab_parallel needs the unified kernels, not 'standard'"):
+        config.check_kernels("standard")
+    with pytest.raises(TypeError, match="vocab_parallel must be a bool, got 1"):
+        EngineConfig(vocab_parallel=1)
