@@ -36,6 +36,17 @@ def _vocab_parallel(case: str) -> bool:
     return len(CASES[case]) > 5 and CASES[case][5]
 
 
+def _params(case: str):
+    """The vocabulary-sharded cases also sample greedy and filtered rows (top-k / top-p rows
+    gather the logits; the others gather each rank's candidate)."""
+    if not _vocab_parallel(case):
+        return PARAMS
+    other = (SamplingParams(temperature=0.8, top_k=8, max_new_tokens=2, ignore_eos=True) if CASES[case][0] == "qwen3"
+             else SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    filtered = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=2, ignore_eos=True)
+    return [PARAMS if CASES[case][0] == "qwen3" else filtered, other]
+
+
 def _hf(case: str, seed: int | None = None):
     family, overrides, default_seed = CASES[case][:3]
     return random_model(tiny_config(family, **overrides), seed=default_seed if seed is None else seed)
@@ -75,10 +86,10 @@ def _rank(rank: int, size: int, init_method: str, case: str, update_seed: int | 
                             vocab_parallel=config.vocab_parallel)
         row = _rank_row_proj(model, config.k_groups)
         with LLM(model, config, tensor_parallel=group) as llm:
-            outputs = [llm.generate(PROMPTS, PARAMS)]
+            outputs = [llm.generate(PROMPTS, _params(case))]
             if update_seed is not None:
                 llm.update_weights(_hf(case, update_seed))
-                outputs.append(llm.generate(PROMPTS, PARAMS))
+                outputs.append(llm.generate(PROMPTS, _params(case)))
             outputs.append(llm.vocab_parallel_stats)
         return row, outputs
     finally:
@@ -97,7 +108,7 @@ def _check_case(case: str, tmp_path, update_seed: int | None = None) -> None:
     for r, row in enumerate(rows):
         assert_bitwise(row, whole, f"rank {r}'s row-parallel linear")
     with LLM(model, EngineConfig(**ENGINE, k_groups=model.k_groups)) as llm:
-        single = llm.generate(PROMPTS, PARAMS)
+        single = llm.generate(PROMPTS, _params(case))
     assert sum(len(o.token_ids) for o in single) == len(PROMPTS) * PARAMS.max_new_tokens
     assert_bitwise_logprobs(model, single)  # TP = 1 engine == TP = 1 training forward, same k_groups
     for outputs in ranks:

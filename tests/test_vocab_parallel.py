@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal_tik.engine import EngineConfig
-from areal_tik.engine.sampler import sample
+from areal_tik.engine.sampler import gumbel_candidates, sample, sample_sharded
 from areal_tik.model import ModelSpec, UnifiedCausalLM, random_model, tiny_config
 from areal_tik.model.tensor_parallel import shard_model
 from areal_tik.model.vocab_parallel import VocabShard, vocab_split_count
@@ -74,6 +74,21 @@ def test_a_tie_across_a_shard_boundary_picks_the_tp1_token():
         assert torch.equal(sample(got, temperature, keys, keys), sample(logits, temperature, keys, keys))
 
 
+def _on_every_rank(size: int, fn) -> list:
+    """``fn(rank, gather)`` for each rank in this process, ``gather`` returning every rank's
+    tensor in rank order: a first pass records each rank's tensor, the second's results return."""
+    sent = {}
+
+    def gather_of(rank):
+        def gather(local):
+            sent[rank] = local
+            return [sent.get(r, torch.zeros_like(local)) for r in range(size)]
+        return gather
+    for r in range(size):
+        fn(r, gather_of(r))
+    return [fn(r, gather_of(r)) for r in range(size)]
+
+
 def test_the_embedding_select_keeps_every_bit():
     vocab, size = 256, 4
     gen = torch.Generator().manual_seed(6)
@@ -81,18 +96,46 @@ def test_the_embedding_select_keeps_every_bit():
     weight[200, :4] = -0.0  # a sum with the other ranks' zeros would turn these into +0.0
     ids = torch.tensor([0, 63, 64, 127, 128, 200, 255, 200])
     shards = _shards(vocab, size)
-    rows = {}
+    got = _on_every_rank(size, lambda r, gather: shards[r].embed(ids, weight[shards[r].start:shards[r].stop], gather))
+    for r, rows in enumerate(got):
+        assert_bitwise(rows, torch.nn.functional.embedding(ids, weight), f"rank {r}'s embedding")
 
-    def gather_of(rank):
-        def gather(local):
-            rows[rank] = local
-            return [rows.get(r, torch.zeros_like(local)) for r in range(size)]
-        return gather
-    for r, s in enumerate(shards):  # fill every rank's rows first, then select on each
-        s.embed(ids, weight[s.start:s.stop], gather_of(r))
-    for r, s in enumerate(shards):
-        got = s.embed(ids, weight[s.start:s.stop], gather_of(r))
-        assert_bitwise(got, torch.nn.functional.embedding(ids, weight), f"rank {r}'s embedding")
+
+def _planted_logits(vocab: int = 250) -> torch.Tensor:
+    """Rows with ties across the TP = 2 and TP = 4 shard boundaries (127 | 128, 63 | 64,
+    191 | 192), rows whose first shards are all -inf (their candidates must lose), and a
+    -0.0 | +0.0 tie (equal scores: the first, -0.0, wins and keeps its sign bit)."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, vocab, generator=gen).bfloat16()
+    logits[0, [127, 128]] = 9.0
+    logits[1, [63, 64, 200]] = 9.0
+    logits[2, :191] = float("-inf")
+    logits[2, [191, 192]] = 9.0
+    logits[3, :128] = float("-inf")
+    logits[4] = float("-inf")
+    logits[4, 127], logits[4, 128] = -0.0, 0.0
+    return logits
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_sampling_draws_the_tp1_token_with_its_tie_breaking(size):
+    logits = _planted_logits()
+    keys, counters = torch.arange(6, dtype=torch.int64) * 977, torch.arange(6, dtype=torch.int64)
+    shards = _shards(logits.shape[1], size)
+    for temperature in (0.0, 1.0, 0.6):
+        want = sample(logits, temperature, keys, counters)
+        got = _on_every_rank(size, lambda r, gather: sample_sharded(
+            logits[:, shards[r].start:shards[r].stop], shards[r].start, gather, temperature, keys, counters))
+        for r, (tokens, picked) in enumerate(got):
+            assert torch.equal(tokens, want), (r, temperature, tokens, want)
+            assert_bitwise(picked[:, 0], logits.gather(1, want[:, None])[:, 0], f"rank {r}'s picked logits")
+    assert sample(logits, 0.0, keys, counters)[:5].tolist() == [127, 63, 191, 128 + int(logits[3, 128:].argmax()), 127]
+    for s in shards:  # the fused kernel's candidates == the torch ones (the kernel runs on GPUs)
+        part = logits[:, s.start:s.stop]
+        fused = gumbel_candidates(part, keys, counters, 0.6, s.start, use_kernel=True)
+        plain = gumbel_candidates(part, keys, counters, 0.6, s.start, use_kernel=False)
+        assert_bitwise(fused[0], plain[0], "candidate scores")
+        assert torch.equal(fused[1], plain[1])
 
 
 def test_bad_vocab_splits_are_refused_naming_both_numbers():

@@ -330,3 +330,13 @@ class UnifiedCausalLM:
         if shard is not None:
             return shard.vocab.logits_lse(hidden, self.lm_head_weight, temperature, shard.gather)
         return self.ops.lm_head_logits_lse(hidden, self.lm_head_weight, temperature)
+
+    def vocab_shard_logits_lse(self, hidden, temperature: float = 1.0):
+        """On a vocabulary-sharded rank ``(its logits columns [T, V_r], the full lse [T], its
+        first column, the group's rank-ordered gather)``, for sampling without gathering
+        the logits (``sampler.sample_sharded``); None on a model holding the full LM head."""
+        shard = self._vocab_shard()
+        if shard is None:
+            return None
+        logits, lse = shard.vocab.local_logits_lse(hidden, self.lm_head_weight, temperature, shard.gather)
+        return logits, lse, shard.vocab.start, shard.gather

@@ -69,14 +69,19 @@ class VocabShard:
         owner = torch.div(input_ids, self.width, rounding_mode="floor").clamp_(0, stacked.shape[0] - 1)
         return stacked[owner, torch.arange(input_ids.shape[0], device=input_ids.device)]
 
-    def logits_lse(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, gather):
-        """The full ``(logits [T, V], lse [T])`` of ``lm_head_logits_lse``, bitwise, from this
-        rank's rows (see the module docstring)."""
+    def local_logits_lse(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, gather):
+        """``(this rank's logits columns [T, stop - start], the full lse [T])``: only the
+        split states are gathered (``2 * n_splits / t`` fp32 per row and rank)."""
         from areal_tik.unified_kernels.logprob import combine_lse_partials, lm_head_logits_lse_partial
 
         logits, state = lm_head_logits_lse_partial(hidden, weight, self.vocab, temperature)
-        # Every rank has n_splits / t splits (the last one's last split may be partial), so
-        # the states gather as they are; the last rank's logits are padded to the slot width.
+        return logits, combine_lse_partials(gather(state))
+
+    def logits_lse(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, gather):
+        """The full ``(logits [T, V], lse [T])`` of ``lm_head_logits_lse``, bitwise, from this
+        rank's rows (see the module docstring)."""
+        logits, lse = self.local_logits_lse(hidden, weight, temperature, gather)
+        # The last rank's slice may be shorter: padded to the slot width for the gather.
         pad = self.width - logits.shape[1]
         full = torch.cat(gather(F.pad(logits, (0, pad)) if pad else logits), dim=1)
-        return (full[:, :self.vocab].contiguous() if pad else full), combine_lse_partials(gather(state))
+        return (full[:, :self.vocab].contiguous() if pad else full), lse
