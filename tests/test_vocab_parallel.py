@@ -35,26 +35,51 @@ def _shards(vocab: int, size: int) -> list[VocabShard]:
     return [VocabShard.of(_spec(vocab), torch.bfloat16, r, size) for r in range(size)]
 
 
+def _on_every_rank(size: int, fn) -> list:
+    """``fn(rank, gather)`` for each rank in this process, ``gather`` returning every rank's
+    tensor of the same (n-th) call in rank order: a first pass records each rank's tensors,
+    the second pass's results are returned."""
+    sent: dict[int, list[torch.Tensor]] = {}
+
+    def gather_of(rank):
+        calls = []
+
+        def gather(local):
+            n = len(calls)
+            calls.append(local)
+            mine = sent.setdefault(rank, [])
+            if len(mine) == n:  # the first pass
+                mine.append(local)
+            return [sent[r][n] if len(sent.get(r, [])) > n else torch.zeros_like(local) for r in range(size)]
+        return gather
+    for r in range(size):
+        fn(r, gather_of(r))
+    return [fn(r, gather_of(r)) for r in range(size)]
+
+
 def _sharded_logits_lse(hidden, weight, size, temperature):
-    """Every shard's part on this process, then the gathers' result: rank order, padded slots."""
+    """Every rank's ``VocabShard.logits_lse`` (run in this process); all ranks must agree."""
     shards = _shards(weight.shape[0], size)
-    parts = [lm_head_logits_lse_partial(hidden, weight[s.start:s.stop], weight.shape[0], temperature)
-             for s in shards]
-    logits = torch.cat([torch.nn.functional.pad(lg, (0, s.width - lg.shape[1]))
-                        for s, (lg, _) in zip(shards, parts)], dim=1)[:, :weight.shape[0]]
-    return logits, combine_lse_partials([st for _, st in parts])
+    got = _on_every_rank(size, lambda r, gather: shards[r].logits_lse(
+        hidden, weight[shards[r].start:shards[r].stop], temperature, gather))
+    for r, (logits, lse) in enumerate(got[1:], 1):
+        assert_bitwise(logits, got[0][0], f"rank {r}'s logits")
+        assert_bitwise(lse, got[0][1], f"rank {r}'s lse")
+    return got[0]
 
 
-@pytest.mark.parametrize("vocab, size", [(256, 2), (256, 4), (250, 2), (250, 4)])
-def test_shard_parts_combine_to_the_one_device_lm_head(vocab, size):
+# 256 = 4 splits of 64 (the interpreter's split), 250: a partial last split; 192 = 3 and
+# 320 = 5 splits: runs of 1 + 2 and 1 + 1 + 1 + 2 splits (uneven, as Qwen3's 297 at TP = 2).
+@pytest.mark.parametrize("vocab, size, runs", [(256, 2, (2, 2)), (256, 4, (1, 1, 1, 1)), (250, 4, (1, 1, 1, 1)),
+                                               (192, 2, (1, 2)), (320, 4, (1, 1, 1, 2))])
+def test_shard_parts_combine_to_the_one_device_lm_head(vocab, size, runs):
     split_v, n_splits = vocab_splits(vocab, H, torch.bfloat16)
-    assert n_splits % size == 0 and (vocab % split_v == 0) == (vocab == 256)  # 250: a partial last split
+    assert split_v == 64 and _shards(vocab, size)[0].runs == runs
     hidden, weight = _head(vocab)
-    for temperature in (1.0, 0.7):
-        logits, lse = lm_head_logits_lse(hidden, weight, temperature)
-        got_logits, got_lse = _sharded_logits_lse(hidden, weight, size, temperature)
-        assert_bitwise(got_logits, logits, f"logits, {size} shards, T={temperature}")
-        assert_bitwise(got_lse, lse, f"lse, {size} shards, T={temperature}")
+    logits, lse = lm_head_logits_lse(hidden, weight, 0.7)
+    got_logits, got_lse = _sharded_logits_lse(hidden, weight, size, 0.7)
+    assert_bitwise(got_logits, logits, f"logits, {size} shards")
+    assert_bitwise(got_lse, lse, f"lse, {size} shards")
 
 
 def test_a_tie_across_a_shard_boundary_picks_the_tp1_token():
@@ -72,21 +97,6 @@ def test_a_tie_across_a_shard_boundary_picks_the_tp1_token():
     assert sample(got, 0.0, keys, keys)[0] == 127
     for temperature in (1.0, 0.5):
         assert torch.equal(sample(got, temperature, keys, keys), sample(logits, temperature, keys, keys))
-
-
-def _on_every_rank(size: int, fn) -> list:
-    """``fn(rank, gather)`` for each rank in this process, ``gather`` returning every rank's
-    tensor in rank order: a first pass records each rank's tensor, the second's results return."""
-    sent = {}
-
-    def gather_of(rank):
-        def gather(local):
-            sent[rank] = local
-            return [sent.get(r, torch.zeros_like(local)) for r in range(size)]
-        return gather
-    for r in range(size):
-        fn(r, gather_of(r))
-    return [fn(r, gather_of(r)) for r in range(size)]
 
 
 def test_the_embedding_select_keeps_every_bit():
@@ -138,21 +148,24 @@ def test_sharded_sampling_draws_the_tp1_token_with_its_tie_breaking(size):
         assert torch.equal(fused[1], plain[1])
 
 
-def test_bad_vocab_splits_are_refused_naming_both_numbers():
-    split_v, n_splits = vocab_split_count(_spec(192), torch.bfloat16)
-    assert n_splits == 3
-    config = EngineConfig(tensor_parallel_size=2, k_groups=2, vocab_parallel=True)
-    words = f"tensor_parallel_size=2 does not divide the LM head's vocabulary splits (3 splits of {split_v}"
+def test_more_ranks_than_vocab_splits_are_refused_naming_both_numbers():
+    spec = ModelSpec.from_hf_config(tiny_config("qwen3", vocab_size=128, num_key_value_heads=4))
+    split_v, n_splits = vocab_split_count(spec, torch.bfloat16)
+    assert n_splits == 2
+    config = EngineConfig(tensor_parallel_size=4, k_groups=4, vocab_parallel=True)
+    words = f"tensor_parallel_size=4 exceeds the LM head's vocabulary splits (2 splits of {split_v} for vocab 128)"
     with pytest.raises(ValueError) as info:
-        config.check_model(_spec(192), torch.bfloat16)
+        config.check_model(spec, torch.bfloat16)
     assert words in str(info.value)
-    config.check_model(_spec(256), torch.bfloat16)  # 4 splits: fine
-    EngineConfig(tensor_parallel_size=2, k_groups=2).check_model(_spec(192))  # replicated: fine
-    model = UnifiedCausalLM.from_hf(random_model(tiny_config("qwen3", vocab_size=192), seed=1), k_groups=2)
+    EngineConfig(tensor_parallel_size=2, k_groups=2, vocab_parallel=True).check_model(spec)  # 1 split each
+    EngineConfig(tensor_parallel_size=4, k_groups=4).check_model(spec)  # replicated: fine
+    hf = random_model(tiny_config("qwen3", vocab_size=128, num_key_value_heads=4), seed=1)
     with pytest.raises(ValueError) as info:
-        shard_model(model, 0, 2, None, vocab_parallel=True)
+        shard_model(UnifiedCausalLM.from_hf(hf, k_groups=4), 0, 4, None, vocab_parallel=True)
     assert words in str(info.value)
     with pytest.raises(ValueError, match="vocab_parallel needs the unified kernels, not 'standard'"):
         config.check_kernels("standard")
+    with pytest.raises(ValueError, match="vocab_parallel needs the unified kernels"):
+        shard_model(UnifiedCausalLM.from_hf(hf, kernels="standard", k_groups=4), 0, 4, None, vocab_parallel=True)
     with pytest.raises(TypeError, match="vocab_parallel must be a bool, got 1"):
         EngineConfig(vocab_parallel=1)

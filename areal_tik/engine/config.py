@@ -82,9 +82,10 @@ class EngineConfig:
            "its log-probs to be reused.")
     vocab_parallel: bool = _option(
         False, "Tensor parallelism: each rank holds 1/tensor_parallel_size of the embedding and LM head "
-               "(whole vocabulary splits of the unified log-prob kernel; the size must divide their "
-               "count) instead of a full copy; logits are gathered every step so tokens and log-probs "
-               "keep the TP = 1 bits. Off by default: it adds two gathers per step and needs the "
+               "(a run of whole vocabulary splits of the unified log-prob kernel; at most one rank per "
+               "split) instead of a full copy. Tokens and log-probs keep the TP = 1 bits: the split "
+               "states and each rank's sampling candidate are gathered every step (top-k / top-p rows "
+               "gather the logits). Off by default: it adds gathers to every step and needs the "
                "unified kernels; turn it on when the vocabulary's memory matters.")
 
     def __post_init__(self):

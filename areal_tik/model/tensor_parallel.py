@@ -170,8 +170,8 @@ def _keep_vocab(model, shard: TensorParallelShard) -> None:
     tied = head.weight is embed.weight
     full_bytes = embed.weight.numel() * embed.weight.element_size() * (1 if tied else 2)
     vocab = VocabShard.of(model.spec, model.dtype, shard.rank, shard.size)
-    shard.vocab = dataclasses.replace(
-        vocab, saved_bytes=full_bytes * (model.spec.vocab - (vocab.stop - vocab.start)) // model.spec.vocab)
+    kept = vocab.stop - vocab.start
+    shard.vocab = dataclasses.replace(vocab, saved_bytes=full_bytes * (vocab.vocab - kept) // vocab.vocab)
     for module, name in ((embed, EMBED_NAME),) + (() if tied else ((head, HEAD_NAME),)):
         shard.sliced[name] = 0
         module.weight = torch.nn.Parameter(shard.cut(name, module.weight.detach()).contiguous(),

@@ -252,10 +252,10 @@ def vocab_splits(V: int, H: int, dtype: torch.dtype) -> tuple[int, int]:
 
 
 def check_vocab_shards(V: int, H: int, dtype: torch.dtype, size: int) -> None:
-    """ValueError naming both numbers unless ``size`` shards take whole runs of the splits."""
+    """ValueError naming both numbers unless ``size`` shards can each take a run of whole splits."""
     split_v, n_splits = vocab_splits(V, H, dtype)
-    if n_splits % size:
-        raise ValueError(f"vocab_parallel: tensor_parallel_size={size} does not divide the LM head's "
+    if n_splits < size:
+        raise ValueError(f"vocab_parallel: tensor_parallel_size={size} exceeds the LM head's "
                          f"vocabulary splits ({n_splits} splits of {split_v} for vocab {V})")
 
 
