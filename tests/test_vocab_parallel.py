@@ -12,8 +12,8 @@ from areal_tik.engine.sampler import gumbel_candidates, sample, sample_sharded
 from areal_tik.model import ModelSpec, UnifiedCausalLM, random_model, tiny_config
 from areal_tik.model.tensor_parallel import shard_model
 from areal_tik.model.vocab_parallel import VocabShard, vocab_split_count
-from areal_tik.unified_kernels.logprob import (combine_lse_partials, lm_head_logits_lse,
-                                               lm_head_logits_lse_partial, vocab_splits)
+from areal_tik.unified_kernels.logprob import lm_head_logits_lse
+from areal_tik.unified_kernels.logprob_shards import vocab_splits
 
 from ._bits import assert_bitwise
 
@@ -169,3 +169,18 @@ def test_more_ranks_than_vocab_splits_are_refused_naming_both_numbers():
         shard_model(UnifiedCausalLM.from_hf(hf, kernels="standard", k_groups=4), 0, 4, None, vocab_parallel=True)
     with pytest.raises(TypeError, match="vocab_parallel must be a bool, got 1"):
         EngineConfig(vocab_parallel=1)
+
+
+def test_serve_refuses_more_ranks_than_vocab_splits_before_loading(tmp_path):
+    import argparse
+
+    from areal_tik.adapter import server, server_tp
+    from areal_tik.model.checkpoints import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path / "v128", num_hidden_layers=1, num_key_value_heads=4, vocab_size=128)
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    args = parser.parse_args(["--model", str(model_dir), "--tensor-parallel-size", "4", "--k-groups", "4",
+                              "--vocab-parallel"])
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 exceeds the LM head's vocabulary splits \(2 splits"):
+        server_tp.check_model_split(args, server.check_args(args))

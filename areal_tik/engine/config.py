@@ -157,7 +157,7 @@ class EngineConfig:
         if self.vocab_parallel and self.tensor_parallel_size > 1:  # the splits depend on the dtype
             import torch
 
-            from areal_tik.unified_kernels.logprob import check_vocab_shards
+            from areal_tik.unified_kernels.logprob_shards import check_vocab_shards
             check_vocab_shards(spec.vocab, spec.hidden, dtype or torch.bfloat16, self.tensor_parallel_size)
 
     # Derived limits are properties, never written back into the fields: a config built

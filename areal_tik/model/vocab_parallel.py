@@ -1,7 +1,7 @@
 """Vocabulary parallelism of the embedding and LM head on a tensor-parallel rank.
 
 The unified log-prob kernel walks the vocabulary in fixed splits of ``split_v`` columns
-(``unified_kernels.logprob.vocab_splits``, anchored at 0) and merges the splits' softmax
+(``unified_kernels.logprob_shards.vocab_splits``, anchored at 0) and merges the splits' softmax
 states in index order. A rank r of t holds the r-th of t contiguous runs of whole splits,
 splits ``[floor(r n / t), floor((r + 1) n / t))`` of the n (the runs differ by at most one
 split when t does not divide n: Qwen3's 151936 tokens are 297 splits of 512, Llama 3's
@@ -33,13 +33,13 @@ HEAD_NAME = "lm_head.weight"
 
 def vocab_split_count(spec: ModelSpec, dtype: torch.dtype) -> tuple[int, int]:
     """``(split_v, n_splits)`` of the unified LM-head kernel for ``spec`` in ``dtype``."""
-    from areal_tik.unified_kernels.logprob import vocab_splits
+    from areal_tik.unified_kernels.logprob_shards import vocab_splits
     return vocab_splits(spec.vocab, spec.hidden, dtype)
 
 
 def check_vocab_split(spec: ModelSpec, dtype: torch.dtype, size: int) -> None:
     """ValueError naming both numbers unless each of ``size`` ranks gets a vocabulary split."""
-    from areal_tik.unified_kernels.logprob import check_vocab_shards
+    from areal_tik.unified_kernels.logprob_shards import check_vocab_shards
     check_vocab_shards(spec.vocab, spec.hidden, dtype, size)
 
 
@@ -101,7 +101,7 @@ class VocabShard:
     def local_logits_lse(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float, gather):
         """``(this rank's logits columns [T, stop - start], the full lse [T])``: only the
         split states are gathered (``2 * n_splits / t`` fp32 per row and rank)."""
-        from areal_tik.unified_kernels.logprob import combine_lse_partials, lm_head_logits_lse_partial
+        from areal_tik.unified_kernels.logprob_shards import combine_lse_partials, lm_head_logits_lse_partial
 
         logits, state = lm_head_logits_lse_partial(hidden, weight, self.vocab, temperature)
         return logits, combine_lse_partials(self._gather_padded(state, 1, self.runs, gather))
