@@ -184,3 +184,22 @@ def test_serve_refuses_more_ranks_than_vocab_splits_before_loading(tmp_path):
                               "--vocab-parallel"])
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 exceeds the LM head's vocabulary splits \(2 splits"):
         server_tp.check_model_split(args, server.check_args(args))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shard_model_keeps_the_ranks_vocabulary_rows(tied):
+    hf = random_model(tiny_config("qwen3", vocab_size=320, tie_word_embeddings=tied), seed=2)
+    full_embed, full_head = hf.model.embed_tokens.weight.clone(), hf.lm_head.weight.clone()
+    model = shard_model(UnifiedCausalLM.from_hf(hf, k_groups=2), 1, 2, None, vocab_parallel=True)
+    shard = model.tensor_parallel.vocab  # 5 splits of 64: rank 0 takes 2, rank 1 takes 3
+    assert (shard.start, shard.stop, shard.runs) == (128, 320, (2, 3))
+    assert_bitwise(model.embed_weight, full_embed[128:], "embedding rows")
+    assert_bitwise(model.lm_head_weight, full_head[128:], "LM head rows")
+    assert (model.lm_head_weight is model.embed_weight) == tied
+    assert shard.saved_bytes == (1 if tied else 2) * 128 * H * 2
+    assert model.spec.vocab == 320  # the engine still sees (and samples from) the full vocabulary
+    full = {"model.embed_tokens.weight": full_embed, "lm_head.weight": full_head}
+    assert {k: tuple(v.shape) for k, v in model.tensor_parallel.local_weights(full).items()} == {
+        "model.embed_tokens.weight": (192, H), "lm_head.weight": (192, H)}  # weight updates: the rank's rows
+    with pytest.raises(ValueError, match="token_logprobs needs the full LM head"):
+        model.token_logprobs(torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64))
