@@ -2,7 +2,7 @@
 
 Usage (two GPUs of one host, repo root):
     torchrun --standalone --nproc-per-node 2 -m eval.bench_tp [--models Qwen3-1.7B Llama-3.2-1B]
-        [--batch 32] [--new-tokens 128] [--k-groups 2] [--eager] [--out DIR]
+        [--batch 32] [--new-tokens 128] [--k-groups 2] [--eager] [--vocab-parallel] [--out DIR]
 
 Per model (random-initialised with its published config; rank 0's weights broadcast to
 rank 1, so both hold the same bits):
@@ -16,6 +16,8 @@ log-probs TP = 2 vs TP = 1 engine and TP = 2 vs the training forward (the target
 100%), and tokens/s of each engine with their ratio. Rows go to a CSV (``--out``).
 Sampling at T = 1 over the full vocabulary with one seed per request, EOS ignored.
 ``--eager`` turns CUDA graphs off (their capture includes the NCCL all_gathers).
+``--vocab-parallel`` also shards the embedding and LM head over the TP ranks (rows of
+``bench_tp_vocab.csv``, with the bytes each rank saves).
 Without GPUs (gloo, the Triton interpreter) ``--tiny`` runs the same steps on the tiny
 test configs of each family, as a dry run of this script:
     TRITON_INTERPRET=1 torchrun --standalone --nproc-per-node 2 -m eval.bench_tp --tiny \
@@ -55,7 +57,8 @@ def _config(args, size: int, k_groups: int | None = None) -> EngineConfig:
     blocks = args.batch * -(-max_len // block) + 1  # one size on every rank, nothing measured
     return EngineConfig(max_num_seqs=args.batch, max_model_len=max_len, kv_block_size=block,
                         num_kv_blocks=blocks, cuda_graphs=not args.eager, max_graph_batch_size=args.batch,
-                        tensor_parallel_size=size, k_groups=args.k_groups if k_groups is None else k_groups)
+                        tensor_parallel_size=size, k_groups=args.k_groups if k_groups is None else k_groups,
+                        vocab_parallel=args.vocab_parallel and size > 1)
 
 
 def _requests(args, vocab: int, seed: int):
@@ -110,14 +113,16 @@ def bench_model(name: str, args, group, device) -> dict | None:
     _free()
     dist.barrier(group=group.control_group)  # rank 1 waits here while rank 0 runs TP = 1
     model = shard_model(UnifiedCausalLM.from_hf(hf, k_groups=args.k_groups), group.rank, group.size,
-                        group.device_group)
+                        group.device_group, vocab_parallel=args.vocab_parallel)
     with LLM(model, _config(args, group.size), tensor_parallel=group) as llm:
         parallel, parallel_s = _timed_generate(llm, args, vocab)
+        saved = llm.vocab_parallel_stats["vocab_saved_bytes"]
     if group.rank == 0:
         same_tok, same_bits, total = _bits_equal(parallel, single)
         training = consistency.compare(parallel, reference)
         tokens = args.batch * args.new_tokens
         row = dict(model=f"tiny {TINY[name]}" if args.tiny else name, tp=group.size, k_groups=args.k_groups,
+                   vocab_parallel=args.vocab_parallel, vocab_saved_bytes_rank0=saved,
                    batch=args.batch, new_tokens=args.new_tokens,
                    cuda_graphs=not args.eager, tokens=total, tokens_equal=same_tok,
                    logprob_bits_equal_tp1_engine=same_bits, logprob_bits_equal_training=training.num_identical,
@@ -143,6 +148,7 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k-groups", type=int, default=2)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--vocab-parallel", action="store_true", help="shard the embedding and LM head too")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU dry run of this script)")
     args = parser.parse_args(argv)
     args.prompt_len = 5 if args.tiny else PROMPT_LEN
@@ -154,8 +160,9 @@ def main(argv=None) -> None:
     group = init_tensor_parallel(_config(args, int(os.environ.get("WORLD_SIZE", "2"))), device)
     rows = [bench_model(name, args, group, device) for name in args.models]
     if group.rank == 0:
-        path = write_csv(rows, args.out, "bench_tp.csv")
-        print_summary([f"{r['model']}: TP={r['tp']} k_groups={r['k_groups']}: tokens equal {r['tokens_equal']}/"
+        path = write_csv(rows, args.out, "bench_tp_vocab.csv" if args.vocab_parallel else "bench_tp.csv")
+        print_summary([f"{r['model']}: TP={r['tp']} k_groups={r['k_groups']} vocab_parallel={r['vocab_parallel']} "
+                       f"(rank 0 saves {r['vocab_saved_bytes_rank0'] / 2**20:.0f} MiB): tokens equal {r['tokens_equal']}/"
                        f"{r['tokens']}, log-prob bits equal to TP=1 engine {r['logprob_bits_equal_tp1_engine']}, "
                        f"to the training forward {r['logprob_bits_equal_training']} "
                        f"({100 * r['bitwise_rate_training']:.2f}%); tokens/s TP=1 {r['tp1_tokens_per_s']:.0f}, "

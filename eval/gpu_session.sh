@@ -10,6 +10,7 @@
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets); run dirs: $OUT/optimize_runs*.tgz
 #           bench_tp (needs 2 GPUs: TP = 2 vs TP = 1 rollout and the training forward, bits and tokens/s)
+#           bench_tp_vocab (the same with the embedding and LM head vocabulary-sharded)
 #           tp_server (3 GPUs: `serve --tensor-parallel-size 2` on GPUs 0-1 vs TP = 1 and training, disk
 #           and NCCL broadcast updates from a trainer on GPU 2; TP_SERVER_TRAINER=none on 2 GPUs skips the latter)
 # Each device call runs at most 10 minutes: pass the stages that fit.
@@ -134,6 +135,9 @@ for s in $STAGES; do case $s in
   # TP_MODELS picks the models (one per call if both do not fit in 10 minutes).
   bench_tp) run bench_tp 570 bash -c 'tp() { torchrun --standalone --nproc-per-node 2 -m eval.bench_tp \
               --models ${TP_MODELS:-Qwen3-1.7B Llama-3.2-1B} --out "$0" "$@"; }; tp || tp --eager' "$W/csv" ;;
+  # The same with the embedding and LM head vocabulary-sharded over the 2 ranks.
+  bench_tp_vocab) run bench_tp_vocab 570 bash -c 'tp() { torchrun --standalone --nproc-per-node 2 -m eval.bench_tp \
+              --vocab-parallel --models ${TP_MODELS:-Qwen3-1.7B Llama-3.2-1B} --out "$0" "$@"; }; tp || tp --eager' "$W/csv" ;;
   # The tensor-parallel server (two processes, NCCL between them) against TP = 1 and training.
   tp_server) run tp_server 570 python3 -m eval.check_tp_server --trainer-device "${TP_SERVER_TRAINER:-cuda:2}" \
                --out "$W/csv" ;;

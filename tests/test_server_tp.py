@@ -1,7 +1,8 @@
 """``areal-tik serve --tensor-parallel-size 2`` (and 4): two processes, one per rank, behind rank 0's
 HTTP. Its generations (tokens and log-prob bits) == a TP = 1 server's == the TP = 1
 training forward, all with the same k_groups, before and after a weight update from disk;
-a split the model cannot take is refused at start-up; a rank that dies ends rank 0.
+a split the model cannot take is refused at start-up; a rank that dies ends rank 0. The
+TP = 4 server also shards the embedding and LM head (``--vocab-parallel``).
 
 One TP = 2 server (a subprocess, unified kernels under the interpreter, a one-layer model)
 serves most tests of the module and is ended by SIGTERM last; a TP = 4 one is checked
@@ -139,6 +140,7 @@ def _assert_training_bits(tp1, version: int) -> None:
 def test_health_reports_the_split(tp2):
     health = requests.get(tp2[0] + "/health", timeout=TIMEOUT).json()
     assert health["tensor_parallel_size"] == 2 and health["k_groups"] == K_GROUPS
+    assert (health["vocab_parallel"], health["vocab_rows"], health["vocab_saved_bytes"]) == (False, None, 0)
     assert health["kernels"] == "unified"
 
 
@@ -242,11 +244,15 @@ def test_sigterm_ends_every_rank(tp2):  # last of the module server's tests: it 
     assert not ranks[0].is_running()
 
 
-def test_tp4_server_equals_tp1_then_a_rank_that_dies_ends_rank_0_with_its_name(tmp_path):
+def test_tp4_vocab_parallel_server_equals_tp1_then_a_rank_that_dies_ends_rank_0_with_its_name(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path / "kv4", num_hidden_layers=1, num_key_value_heads=4, seed=2)
-    url, proc = _start_tp(model_dir, 4, "--k-groups", "4")
+    url, proc = _start_tp(model_dir, 4, "--k-groups", "4", "--vocab-parallel")
     try:
         model = UnifiedCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, device="cpu", k_groups=4)
+        health = requests.get(url + "/health", timeout=TIMEOUT).json()  # rank 0: the first of 4 splits of 64
+        vocab, hidden, tensors = model.spec.vocab, model.spec.hidden, 1 if model.spec.tie_embeddings else 2
+        assert vocab == 256 and health["vocab_parallel"] and health["vocab_rows"] == [0, 64]
+        assert health["vocab_saved_bytes"] == tensors * (vocab - 64) * hidden * 2
         with LLM(model, EngineConfig(**ENGINE, k_groups=4)) as llm:
             served = TikServer(llm).start()
             try:

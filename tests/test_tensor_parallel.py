@@ -23,10 +23,29 @@ ENGINE = dict(max_num_seqs=4, max_model_len=32, kv_block_size=16)
 PROMPTS = prompts_of([5, 9], seed=7, vocab=256)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)  # a prefill and a decode step
 ONE_LAYER = {"num_hidden_layers": 1}  # interpreted kernels cost per launch: keep them few
-CASES = {  # name: (family, config overrides, seed, tensor_parallel_size, k_groups)
+CASES = {  # name: (family, config overrides, seed, tensor_parallel_size, k_groups[, vocab_parallel])
     "qwen3-tp2-g4": ("qwen3", ONE_LAYER, 11, 2, 4),
     "llama-tp4-g4": ("llama", {**ONE_LAYER, "num_key_value_heads": 4}, 12, 4, 4),
+    # vocabulary-sharded embedding / LM head, in splits of 64 tokens under the interpreter:
+    # 256 = 2 + 2 splits; 320 = 1 + 1 + 1 + 2 (uneven runs, as Qwen3's 297 splits at TP = 2)
+    "qwen3-tp2-g2-vocab-tied": ("qwen3", {**ONE_LAYER, "tie_word_embeddings": True}, 13, 2, 2, True),
+    "llama-tp4-g4-vocab": ("llama", {**ONE_LAYER, "num_key_value_heads": 4, "vocab_size": 320}, 14, 4, 4, True),
 }
+
+
+def _vocab_parallel(case: str) -> bool:
+    return len(CASES[case]) > 5 and CASES[case][5]
+
+
+def _params(case: str):
+    """The vocabulary-sharded cases also sample greedy and filtered rows (top-k / top-p rows
+    gather the logits; the others gather each rank's candidate)."""
+    if not _vocab_parallel(case):
+        return PARAMS
+    other = (SamplingParams(temperature=0.8, top_k=8, max_new_tokens=2, ignore_eos=True) if CASES[case][0] == "qwen3"
+             else SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    filtered = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=2, ignore_eos=True)
+    return [PARAMS if CASES[case][0] == "qwen3" else filtered, other]
 
 
 def _hf(case: str, seed: int | None = None):
@@ -60,31 +79,37 @@ def _rank_row_proj(model, k_groups: int) -> torch.Tensor:
 def _rank(rank: int, size: int, init_method: str, case: str, update_seed: int | None):
     """One rank: shard, the row-parallel tree on fp32 operands, generate, (optionally)
     update to other full weights and generate again."""
-    config = EngineConfig(**ENGINE, tensor_parallel_size=size, k_groups=CASES[case][4])
+    config = EngineConfig(**ENGINE, tensor_parallel_size=size, k_groups=CASES[case][4],
+                          vocab_parallel=_vocab_parallel(case))
     group = init_tensor_parallel(config, "cpu", init_method=init_method, rank=rank)
     try:
-        model = shard_model(_model(case), group.rank, group.size, group.device_group)
+        model = shard_model(_model(case), group.rank, group.size, group.device_group,
+                            vocab_parallel=config.vocab_parallel)
         row = _rank_row_proj(model, config.k_groups)
         with LLM(model, config, tensor_parallel=group) as llm:
-            outputs = [llm.generate(PROMPTS, PARAMS)]
+            outputs = [llm.generate(PROMPTS, _params(case))]
             if update_seed is not None:
                 llm.update_weights(_hf(case, update_seed))
-                outputs.append(llm.generate(PROMPTS, PARAMS))
+                outputs.append(llm.generate(PROMPTS, _params(case)))
+            outputs.append(llm.vocab_parallel_stats)
         return row, outputs
     finally:
         dist.destroy_process_group()
 
 
 def _check_case(case: str, tmp_path, update_seed: int | None = None) -> None:
-    rows, ranks = zip(*run_ranks(_rank, CASES[case][3], tmp_path, case, update_seed))
+    size = CASES[case][3]
+    rows, ranks = zip(*run_ranks(_rank, size, tmp_path, case, update_seed))
+    stats = [outputs.pop() for outputs in ranks]
     model = _model(case)
+    _check_vocab_stats(model, stats, size if _vocab_parallel(case) else 1)
     with torch.no_grad():  # the gathered fp32 tree == linear(k_groups=G) on one device, every rank
         x, w, b = _row_operands()
         whole = model.ops.linear(x, w, b, k_groups=model.k_groups)
     for r, row in enumerate(rows):
         assert_bitwise(row, whole, f"rank {r}'s row-parallel linear")
     with LLM(model, EngineConfig(**ENGINE, k_groups=model.k_groups)) as llm:
-        single = llm.generate(PROMPTS, PARAMS)
+        single = llm.generate(PROMPTS, _params(case))
     assert sum(len(o.token_ids) for o in single) == len(PROMPTS) * PARAMS.max_new_tokens
     assert_bitwise_logprobs(model, single)  # TP = 1 engine == TP = 1 training forward, same k_groups
     for outputs in ranks:
@@ -96,12 +121,34 @@ def _check_case(case: str, tmp_path, update_seed: int | None = None) -> None:
         assert_bitwise_logprobs(model, ranks[0][1], grad=True)  # with autograd, as the trainer runs it
 
 
+def _check_vocab_stats(model, stats, size: int) -> None:
+    """Each rank's rows: its run of 64-token splits; the bytes of the rows it does not hold."""
+    if size == 1:
+        assert all(s == {"vocab_parallel": False, "vocab_rows": None, "vocab_saved_bytes": 0} for s in stats)
+        return
+    vocab, hidden = model.spec.vocab, model.spec.hidden
+    tensors = 1 if model.spec.tie_embeddings else 2
+    firsts = [min(64 * (r * -(-vocab // 64) // size), vocab) for r in range(size + 1)]
+    for r, s in enumerate(stats):
+        kept = firsts[r + 1] - firsts[r]
+        assert s == {"vocab_parallel": True, "vocab_rows": [firsts[r], firsts[r + 1]],
+                     "vocab_saved_bytes": tensors * (vocab - kept) * hidden * 2}, (r, s)
+
+
 def test_tp2_qwen3_rollout_equals_tp1_and_training_with_a_weight_update(tmp_path):
     _check_case("qwen3-tp2-g4", tmp_path, update_seed=21)
 
 
 def test_tp4_llama_rollout_equals_tp1_and_training(tmp_path):
     _check_case("llama-tp4-g4", tmp_path)
+
+
+def test_tp2_qwen3_tied_vocab_parallel_equals_tp1_and_training_with_a_weight_update(tmp_path):
+    _check_case("qwen3-tp2-g2-vocab-tied", tmp_path, update_seed=22)
+
+
+def test_tp4_llama_vocab_parallel_equals_tp1_and_training(tmp_path):
+    _check_case("llama-tp4-g4-vocab", tmp_path)
 
 
 # ------------------------------------------------------------------ bad input

@@ -25,7 +25,8 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
   sampled from half-updated weights, and a bucket of another version drops what was
   staged (a failed partial update is never completed by its old tensors under a new tag).
 - ``GET /health`` (``{"status", "paused", "kernels", "k_groups", "tensor_parallel_size",
-  "prefix_cache"}``), ``GET /get_weight_version``
+  "vocab_parallel", "vocab_rows", "vocab_saved_bytes", "prefix_cache"}``; the vocabulary
+  fields are rank 0's, see ``LLM.vocab_parallel_stats``), ``GET /get_weight_version``
   (``{"weight_version": int}``).
 
 ``areal-tik serve --model <path> --port N`` serves a checkpoint; the engine flags are
@@ -155,6 +156,7 @@ class TikServer:
                                   "kernels": getattr(self.llm.model, "kernels", None),
                                   "k_groups": getattr(self.llm.model, "k_groups", 1),
                                   "tensor_parallel_size": self.llm.config.tensor_parallel_size,
+                                  **self.llm.vocab_parallel_stats,
                                   "prefix_cache": self.llm.prefix_cache_stats})
 
     async def weight_version(self, request: web.Request) -> web.Response:
@@ -421,7 +423,8 @@ def build_llm(args, device: str | None = None, tensor_parallel=None):
                                  max_model_len=min(args.max_model_len, model.spec.max_positions))
     config.check_kernels(model.kernels)
     if tensor_parallel is not None:
-        shard_model(model, tensor_parallel.rank, tensor_parallel.size, tensor_parallel.device_group)
+        shard_model(model, tensor_parallel.rank, tensor_parallel.size, tensor_parallel.device_group,
+                    vocab_parallel=config.vocab_parallel)
     return LLM(model, config, tensor_parallel=tensor_parallel)
 
 

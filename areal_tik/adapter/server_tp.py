@@ -54,17 +54,19 @@ def rank_device(device: str | None, rank: int) -> str:
 
 
 def check_model_split(args, config) -> None:
-    """ValueError naming both numbers unless ``config``'s split fits the checkpoint's heads
-    and K widths (read from its config.json; a .gguf is checked once loaded)."""
+    """ValueError naming both numbers unless ``config``'s split fits the checkpoint's heads,
+    K widths and (``vocab_parallel``) vocabulary splits in ``--dtype`` (read from its
+    config.json; a .gguf is checked once loaded)."""
     from pathlib import Path
 
     if Path(args.model).suffix == ".gguf":
         return
+    import torch
     from transformers import AutoConfig
 
     from areal_tik.model import ModelSpec
 
-    config.check_model(ModelSpec.from_hf_config(AutoConfig.from_pretrained(args.model)))
+    config.check_model(ModelSpec.from_hf_config(AutoConfig.from_pretrained(args.model)), getattr(torch, args.dtype))
 
 
 def build_rank_llm(args, rank: int, init_method: str):

@@ -80,6 +80,13 @@ class EngineConfig:
            "groups summed in a fixed binary tree (1, 2, 4 or 8; 1 is the plain K loop). A multiple "
            "of tensor_parallel_size; the trainer must use the same value (actor.tik_k_groups) for "
            "its log-probs to be reused.")
+    vocab_parallel: bool = _option(
+        False, "Tensor parallelism: each rank holds 1/tensor_parallel_size of the embedding and LM head "
+               "(a run of whole vocabulary splits of the unified log-prob kernel; at most one rank per "
+               "split) instead of a full copy. Tokens and log-probs keep the TP = 1 bits: the split "
+               "states and each rank's sampling candidate are gathered every step (top-k / top-p rows "
+               "gather the logits). Off by default: it adds gathers to every step and needs the "
+               "unified kernels; turn it on when the vocabulary's memory matters.")
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -135,8 +142,10 @@ class EngineConfig:
             if value not in PARALLEL_SIZES:
                 raise ValueError(f"{name} must be one of {PARALLEL_SIZES}, got {value!r}")
         check_divides("k_groups", self.k_groups, self.tensor_parallel_size)
+        if not isinstance(self.vocab_parallel, bool):
+            raise TypeError(f"vocab_parallel must be a bool, got {self.vocab_parallel!r}")
 
-    def check_model(self, spec) -> None:
+    def check_model(self, spec, dtype=None) -> None:
         """ValueError unless the tensor-parallel split fits the model ``spec`` (a
         ``ModelSpec``): ``tensor_parallel_size`` divides the query and KV heads, and
         ``k_groups`` the K of o_proj (query heads x head_dim) and of down_proj (the MLP
@@ -145,6 +154,11 @@ class EngineConfig:
         check_divides("the model's KV heads", spec.n_kv_heads, self.tensor_parallel_size)
         check_divides("o_proj's K (query heads x head_dim)", spec.q_size, self.k_groups, "k_groups")
         check_divides("down_proj's K (intermediate_size)", spec.intermediate, self.k_groups, "k_groups")
+        if self.vocab_parallel and self.tensor_parallel_size > 1:  # the splits depend on the dtype
+            import torch
+
+            from areal_tik.unified_kernels.logprob_shards import check_vocab_shards
+            check_vocab_shards(spec.vocab, spec.hidden, dtype or torch.bfloat16, self.tensor_parallel_size)
 
     # Derived limits are properties, never written back into the fields: a config built
     # from its defaults first and then given a YAML's values (OmegaConf does exactly that
@@ -172,7 +186,10 @@ class EngineConfig:
     def check_kernels(self, kernels: str) -> None:
         """ValueError unless ``kv_block_size`` fits ``kernels``' attention: the unified
         decode kernel reads the paged cache in KV tiles that must not straddle a block.
-        (The standard ops gather pages with torch and take any block size.)"""
+        (The standard ops gather pages with torch and take any block size.) ``vocab_parallel``
+        needs the unified LM head's fixed vocabulary splits."""
+        if self.vocab_parallel and kernels != "unified":
+            raise ValueError(f"vocab_parallel needs the unified kernels, not {kernels!r}")
         if kernels != "unified":
             return
         tile = attention_kv_tile()

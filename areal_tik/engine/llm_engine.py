@@ -129,6 +129,17 @@ class LLM:
         """Prefix-cache counters (hits, hit_tokens = prefill tokens saved, hit_rate, ...)."""
         return self.runner.block_manager.stats.as_dict()
 
+    @property
+    def vocab_parallel_stats(self) -> dict:
+        """``{"vocab_parallel", "vocab_rows", "vocab_saved_bytes"}``: whether this rank holds a
+        vocabulary slice of the embedding / LM head, its rows ``[start, stop)`` and the bytes
+        of those tensors it does not hold (0 when replicated)."""
+        shard = getattr(getattr(self.model, "tensor_parallel", None), "vocab", None)
+        if shard is None:
+            return {"vocab_parallel": False, "vocab_rows": None, "vocab_saved_bytes": 0}
+        return {"vocab_parallel": True, "vocab_rows": [shard.start, shard.stop],
+                "vocab_saved_bytes": shard.saved_bytes}
+
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt_ids, params: SamplingParams | None = None) -> Future:

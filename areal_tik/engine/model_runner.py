@@ -330,7 +330,6 @@ class ModelRunner:
 
     def _sample_group(self, hidden, seqs: list[Sequence], temperature: float, keys=None):
         logprob_t = seqs[0].params.logprob_temperature
-        logits, lse = self.model.logits_lse(hidden, logprob_t)
         if keys is None:
             keys = self._to_device([[s.sample_key for s in seqs], [s.num_output_tokens for s in seqs]],
                                    torch.int64)
@@ -339,6 +338,13 @@ class ModelRunner:
             top_k = self._to_device([s.params.top_k for s in seqs], torch.int64)
         if any(s.params.top_p < 1.0 for s in seqs):
             top_p = self._to_device([s.params.top_p for s in seqs], torch.float32)
+        sharded = getattr(self.model, "vocab_shard_logits_lse", None)
+        part = sharded(hidden, logprob_t) if sharded is not None and top_k is None and top_p is None else None
+        if part is not None:  # a vocabulary shard: candidates gathered, not the logits (same bits)
+            logits, lse, col0, gather = part
+            tokens, picked = sampler.sample_sharded(logits, col0, gather, temperature, keys[0], keys[1])
+            return tokens, self.model.ops.gather_logprobs(picked, lse, torch.zeros_like(tokens), logprob_t)
+        logits, lse = self.model.logits_lse(hidden, logprob_t)
         tokens = sampler.sample(logits, temperature, keys[0], keys[1], top_k, top_p)
         logprobs = self.model.ops.gather_logprobs(logits, lse, tokens, logprob_t)
         return tokens, logprobs

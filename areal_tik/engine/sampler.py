@@ -59,9 +59,10 @@ def uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: int) -> tor
     return ((_hash_bits(keys, counters, vocab) + 0.5) * (1.0 / (1 << 23))).float()
 
 
-def _hash_bits(keys, counters, vocab):
-    h = mix32((row_keys(keys, counters)[:, None] + _columns(vocab, keys.device)[None, :]) & _M32)
-    return h >> 9
+def _hash_bits(keys, counters, vocab, col0=0):
+    """The 23 noise bits of vocabulary indices col0 .. col0 + vocab - 1."""
+    columns = _columns(col0 + vocab, keys.device)[col0:]
+    return mix32((row_keys(keys, counters)[:, None] + columns[None, :]) & _M32) >> 9
 
 
 # Exponential variates E = -log(u). Near u = 1, log(u) loses all relative precision (and a
@@ -125,17 +126,20 @@ def _exponential(n):
 
 # keys/counters arrive as rows of one [2, B] int64 tensor: the second row is 16-byte aligned
 # only for even B, so their alignment is not part of the kernel key (scalar loads: no cost).
-@triton.jit(do_not_specialize=["keys_ptr", "counters_ptr"])
+# col0 (a vocabulary shard's first column) is data too: one variant serves every shard.
+@triton.jit(do_not_specialize=["keys_ptr", "counters_ptr", "col0"])
 def _gumbel_argmax_kernel(
     scores_ptr,    # [B, V] bf16 logits or fp32 pre-scaled scores (-inf = filtered out)
     keys_ptr,      # [B] int64 request keys
     counters_ptr,  # [B] int64 output index of the token being drawn
-    out_ptr,       # [B] int64 sampled token
-    V, stride_row, temperature,
+    out_ptr,       # [B] int64 sampled token (column index + col0)
+    best_ptr,      # [B] fp32 the winning noisy score
+    V, stride_row, temperature, col0,
     BLOCK_V: tl.constexpr,
 ):
     # Grid: one program per row. The row is walked in BLOCK_V chunks from index 0; the
     # running best only moves on a strictly larger value, so ties keep the lowest index.
+    # Column c of the scores is vocabulary index col0 + c (its noise is that index's).
     row = tl.program_id(0)
     key = tl.load(keys_ptr + row)
     counter = tl.load(counters_ptr + row)
@@ -150,14 +154,21 @@ def _gumbel_argmax_kernel(
         ok = cols < V
         x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
         z = tl.math.div_rn(x, temperature)  # IEEE division: equals torch's logits.float() / T
-        n = (_mix32(rkey + cols.to(tl.uint32) * 0x9E3779B9) >> 9).to(tl.float32)
+        n = (_mix32(rkey + (cols + col0).to(tl.uint32) * 0x9E3779B9) >> 9).to(tl.float32)
         total = tl.where(ok, z - tl.log(_exponential(n)), float("-inf"))
         chunk_best = tl.max(total, axis=0)
         chunk_idx = tl.argmax(total, axis=0).to(tl.int64) + start
         better = chunk_best > best
         best_idx = tl.where(better, chunk_idx, best_idx)
         best = tl.where(better, chunk_best, best)
-    tl.store(out_ptr + row, best_idx)
+    tl.store(out_ptr + row, best_idx + col0)
+    tl.store(best_ptr + row, best)
+
+
+def _noisy_scores(scores, keys, counters, temperature, col0=0):
+    """The torch form: ``scores / T - log E`` with the noise of columns col0, col0 + 1, ..."""
+    z = scores.float() / temperature
+    return z - torch.log(exponential_from_bits(_hash_bits(keys, counters, scores.shape[-1], col0).float()))
 
 
 def gumbel_argmax(scores: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
@@ -167,17 +178,27 @@ def gumbel_argmax(scores: torch.Tensor, keys: torch.Tensor, counters: torch.Tens
     ``use_kernel`` defaults to the Triton kernel on CUDA and the torch ops elsewhere (the
     kernel also runs under the Triton interpreter, which tests use to compare the two).
     """
+    return gumbel_candidates(scores, keys, counters, temperature, 0, use_kernel)[1]
+
+
+def gumbel_candidates(scores, keys, counters, temperature: float = 1.0, col0: int = 0,
+                      use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(best noisy score fp32 [B], its vocabulary index col0 + c [B])`` of the scores'
+    columns, read as vocabulary indices col0, col0 + 1, ...: a shard's Gumbel candidate
+    (the first maximal index on ties, as over the full row)."""
     if use_kernel is None:
         use_kernel = scores.device.type == "cuda"
     if not use_kernel:
-        z = scores.float() / temperature
-        return (z - torch.log(exponential_noise(keys, counters, scores.shape[-1]))).argmax(dim=-1)
+        total = _noisy_scores(scores, keys, counters, temperature, col0)
+        index = total.argmax(dim=-1)  # the first maximal index
+        return total.gather(1, index[:, None])[:, 0], index + col0
     scores = scores.contiguous()
     out = torch.empty(scores.shape[0], dtype=torch.int64, device=scores.device)
+    best = torch.empty(scores.shape[0], dtype=torch.float32, device=scores.device)
     _gumbel_argmax_kernel[(scores.shape[0],)](
-        scores, keys, counters, out, scores.shape[-1], scores.stride(0), float(temperature),
-        BLOCK_V=2048, num_warps=8)
-    return out
+        scores, keys, counters, out, best, scores.shape[-1], scores.stride(0), float(temperature),
+        int(col0), BLOCK_V=2048, num_warps=8)
+    return best, out
 
 
 # ------------------------------------------------------------------ entry point
@@ -201,3 +222,27 @@ def sample(logits: torch.Tensor, temperature: float, keys: torch.Tensor, counter
     top_p = top_p if top_p is not None else torch.ones(rows, dtype=torch.float32, device=scores.device)
     scores = scores.masked_fill(~filter_mask(scores, top_k, top_p), float("-inf"))
     return gumbel_argmax(scores, keys, counters, 1.0)  # x / 1.0 is exact: same scores
+
+
+def sample_sharded(logits: torch.Tensor, col0: int, gather, temperature: float, keys: torch.Tensor,
+                   counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` (no top-k / top-p) from a vocabulary shard: ``(tokens [B], their logits [B, 1])``.
+
+    ``logits`` are the columns col0, col0 + 1, ... of the full rows; ``gather`` returns every
+    rank's tensor in rank order, ranks holding the vocabulary in that order. Each rank takes
+    its candidate (the first maximal index of its columns, greedy or Gumbel with the noise of
+    the global index) and the candidates are gathered, packed in one fp64 tensor (exact for
+    fp32 scores, indices < 2^53 and bf16 logits); the first rank whose score is maximal
+    wins. That is the first maximal index of the full row: the token ``sample`` draws from
+    the gathered logits, whatever ties straddle a shard boundary.
+    """
+    if temperature == 0.0:
+        local = logits.argmax(dim=-1)
+        best, index = logits.gather(1, local[:, None])[:, 0].float(), local + col0
+    else:
+        best, index = gumbel_candidates(logits, keys, counters, temperature, col0)
+    picked = logits.gather(1, (index - col0)[:, None])[:, 0]
+    ranks = torch.stack(gather(torch.stack([best.double(), index.double(), picked.double()])))  # [t, 3, B]
+    winner = ranks[:, 0].argmax(dim=0)  # the first maximal rank
+    won = ranks.gather(0, winner[None, None, :].expand(1, 3, -1))[0]
+    return won[1].long(), won[2].to(logits.dtype)[:, None]

@@ -116,7 +116,7 @@ def check_engine_model(model, config: EngineConfig, group: TensorParallelGroup |
     """ValueError unless ``model`` (its full spec, k_groups and shard), ``config`` and
     ``group`` describe the same split."""
     if config.tensor_parallel_size > 1 or config.k_groups > 1:
-        config.check_model(getattr(model, "full_spec", model.config))
+        config.check_model(getattr(model, "full_spec", model.config), getattr(model, "dtype", None))
     k_groups = getattr(model, "k_groups", 1)
     if k_groups != config.k_groups:
         raise ValueError(f"the model computes k_groups={k_groups}, the engine config says "
@@ -131,3 +131,7 @@ def check_engine_model(model, config: EngineConfig, group: TensorParallelGroup |
     if (shard.rank, shard.size) != (group.rank, group.size) or group.size != size:
         raise ValueError(f"the model is sharded as rank {shard.rank} of {shard.size}, the group is rank "
                          f"{group.rank} of {group.size}, the config says tensor_parallel_size={size}")
+    if size > 1 and (shard.vocab is not None) != config.vocab_parallel:
+        raise ValueError(f"the engine config says vocab_parallel={config.vocab_parallel}, the model's "
+                         f"embedding / LM head are {'sharded' if shard.vocab else 'replicated'}: "
+                         f"shard_model(..., vocab_parallel=config.vocab_parallel)")

@@ -12,7 +12,9 @@ A rank r of t holds (``shard_model``, applied to the full model every rank loade
   collective enters); ``combine_partials`` finishes the tree, adds the bias in fp32 and
   rounds once. Hence ``combine_partials(roots) == linear(x, w, b, k_groups=G)`` bitwise,
   and every rank holds the same bits of every hidden state.
-- replicated: embedding, norms, LM head (logits, samples and log-probs equal on every rank).
+- replicated: norms, and the embedding and LM head unless ``vocab_parallel``; with it each
+  rank holds a run of whole vocabulary splits of both (``vocab_parallel.py``), gathered so
+  that logits, samples and log-probs are still the TP = 1 bits on every rank.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from .layers import row_parallel_proj
 from .spec import ModelSpec
+from .vocab_parallel import EMBED_NAME, HEAD_NAME, VocabShard, check_vocab_split
 
 K_GROUP_SIZES = (1, 2, 4, 8)  # powers of two up to 8 (the tree has at most 3 levels)
 
@@ -74,6 +77,11 @@ class TensorParallelShard:
     size: int
     group: object
     sliced: dict[str, int] = dataclasses.field(default_factory=dict)
+    vocab: VocabShard | None = None  # the embedding / LM head rows (None: replicated)
+
+    def gather(self, part: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``part`` in rank order (``gather_partials`` over this group)."""
+        return gather_partials(part, self.group, self.size)
 
     def row_proj(self, ops, k_groups: int):
         """The rank's subtree root (``linear_partial`` over its G/t groups), every root
@@ -93,6 +101,8 @@ class TensorParallelShard:
         dim = self.sliced.get(name)
         if dim is None:
             return tensor
+        if name in (EMBED_NAME, HEAD_NAME) and self.vocab is not None:
+            return tensor.narrow(0, self.vocab.start, self.vocab.stop - self.vocab.start)
         width = tensor.shape[dim] // self.size
         return tensor.narrow(dim, self.rank * width, width)
 
@@ -117,17 +127,27 @@ def _keep(module: torch.nn.Linear, dim: int, shard: TensorParallelShard, prefix:
         module.in_features //= shard.size
 
 
-def shard_model(model, rank: int, size: int, group):
+def shard_model(model, rank: int, size: int, group, vocab_parallel: bool = False):
     """Cut ``model`` (a ``UnifiedCausalLM`` holding the full weights) in place to rank
     ``rank`` of ``size`` over the process group ``group``; returns it. ValueError when
-    ``size`` does not split the heads or the model's k_groups."""
+    ``size`` does not split the heads or the model's k_groups (or, ``vocab_parallel``, the
+    LM head's vocabulary splits)."""
     spec = model.spec
     if model.tensor_parallel is not None:
         raise ValueError(f"the model is already sharded ({model.tensor_parallel.rank}/{model.tensor_parallel.size})")
     check_split(spec, model.k_groups, size)
+    if not isinstance(vocab_parallel, bool):
+        raise TypeError(f"vocab_parallel must be a bool, got {vocab_parallel!r}")
+    if vocab_parallel and model.kernels != "unified":
+        raise ValueError(f"vocab_parallel needs the unified kernels (their fixed vocabulary splits), "
+                         f"the model runs {model.kernels!r}")
+    if vocab_parallel:
+        check_vocab_split(spec, model.dtype, size)
     if not 0 <= rank < size:
         raise ValueError(f"rank must be in [0, {size}), got {rank!r}")
     shard = TensorParallelShard(rank, size, group)
+    if vocab_parallel and size > 1:
+        _keep_vocab(model, shard)
     if size > 1:
         for i, layer in enumerate(model.hf_model.model.layers):
             attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
@@ -141,3 +161,21 @@ def shard_model(model, rank: int, size: int, group):
                                      intermediate=spec.intermediate // size)
     model.tensor_parallel = shard
     return model
+
+
+def _keep_vocab(model, shard: TensorParallelShard) -> None:
+    """Cut the embedding and the LM head (one tensor when tied) to the rank's vocabulary rows."""
+    embed = model.hf_model.get_input_embeddings()
+    head = model.hf_model.get_output_embeddings()
+    tied = head.weight is embed.weight
+    full_bytes = embed.weight.numel() * embed.weight.element_size() * (1 if tied else 2)
+    vocab = VocabShard.of(model.spec, model.dtype, shard.rank, shard.size)
+    kept = vocab.stop - vocab.start
+    shard.vocab = dataclasses.replace(vocab, saved_bytes=full_bytes * (vocab.vocab - kept) // vocab.vocab)
+    for module, name in ((embed, EMBED_NAME),) + (() if tied else ((head, HEAD_NAME),)):
+        shard.sliced[name] = 0
+        module.weight = torch.nn.Parameter(shard.cut(name, module.weight.detach()).contiguous(),
+                                           requires_grad=False)
+    if tied:
+        shard.sliced[HEAD_NAME] = 0
+        head.weight = embed.weight

@@ -188,7 +188,7 @@ class UnifiedCausalLM:
         ``hooked``: run each layer as its module's forward (training path, see module doc).
         """
         cos, sin = self.rope_tables(input_ids.device)
-        residual = F.embedding(input_ids, self.embed_weight)
+        residual = self._embed(input_ids)
         delta = None
         for index, layer in enumerate(self._base.layers):
             run = self._layer_fn(layer, positions, cos, sin, attend_for(index))
@@ -200,6 +200,16 @@ class UnifiedCausalLM:
                 run = functools.partial(checkpoint, run, use_reentrant=False)
             delta, residual = _call_as_forward(layer, run, delta, residual)
         return delta, residual
+
+    def _vocab_shard(self):
+        shard = self.tensor_parallel
+        return None if shard is None or shard.vocab is None else shard
+
+    def _embed(self, input_ids):
+        shard = self._vocab_shard()
+        if shard is None:
+            return F.embedding(input_ids, self.embed_weight)
+        return shard.vocab.embed(input_ids, self.embed_weight, shard.gather)
 
     def _final_norm(self, delta, residual):
         return self.ops.add_rms_norm(delta, residual, self._base.norm.weight, self.spec.eps)[0]
@@ -306,9 +316,27 @@ class UnifiedCausalLM:
     # ------------------------------------------------------------------ log-probs
 
     def token_logprobs(self, hidden, targets, temperature: float = 1.0, return_entropy: bool = False):
-        """fp32 ``log_softmax(hidden @ lm_head.T / T)[targets]`` (and entropy) via ``ops.token_logprobs``."""
+        """fp32 ``log_softmax(hidden @ lm_head.T / T)[targets]`` (and entropy) via ``ops.token_logprobs``.
+        (A vocabulary-sharded rank has a slice of the LM head: it serves ``logits_lse`` only.)"""
+        if self._vocab_shard() is not None:
+            raise ValueError("token_logprobs needs the full LM head; this rank is vocabulary-sharded "
+                             "(use logits_lse with gather_logprobs, the same bits)")
         return self.ops.token_logprobs(hidden, self.lm_head_weight, targets, temperature, return_entropy)
 
     def logits_lse(self, hidden, temperature: float = 1.0):
-        """``(logits, lse)`` of the lm head at ``temperature`` via ``ops.lm_head_logits_lse``."""
+        """``(logits, lse)`` of the lm head at ``temperature`` via ``ops.lm_head_logits_lse``
+        (on a vocabulary-sharded rank: the rank's splits, gathered; the same bits)."""
+        shard = self._vocab_shard()
+        if shard is not None:
+            return shard.vocab.logits_lse(hidden, self.lm_head_weight, temperature, shard.gather)
         return self.ops.lm_head_logits_lse(hidden, self.lm_head_weight, temperature)
+
+    def vocab_shard_logits_lse(self, hidden, temperature: float = 1.0):
+        """On a vocabulary-sharded rank ``(its logits columns [T, V_r], the full lse [T], its
+        first column, the group's rank-ordered gather)``, for sampling without gathering
+        the logits (``sampler.sample_sharded``); None on a model holding the full LM head."""
+        shard = self._vocab_shard()
+        if shard is None:
+            return None
+        logits, lse = shard.vocab.local_logits_lse(hidden, self.lm_head_weight, temperature, shard.gather)
+        return logits, lse, shard.vocab.start, shard.gather

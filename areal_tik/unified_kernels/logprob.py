@@ -246,19 +246,26 @@ _BWD_BUDGET = 1 << 27  # elements of one [T, chunk] backward buffer (256 MiB in 
 
 def _forward(hidden, weight, targets, temperature, entropy, write_logits, tiles=None):
     """Launch both kernels; returns (logprob | None, entropy | None, lse, logits | None)."""
+    V = weight.shape[0]
+    state, tz, logits = _partial(hidden, weight, targets, temperature, entropy, write_logits,
+                                 tiles or logprob_config(V, hidden.shape[1], weight.dtype))
+    lp, ent, lse = _combine(state, tz, targets, V, entropy)
+    return lp, ent, lse, logits
+
+
+def _partial(hidden, weight, targets, temperature, entropy, write_logits, tiles):
+    """The first launch over ``weight``'s rows: (state [2|3, n_splits, T], tz, logits | None)."""
     T, H = hidden.shape
     V = weight.shape[0]
-    tiles = tiles or logprob_config(V, H, weight.dtype)
     n_splits = triton.cdiv(V, tiles.split_v)
     dev = hidden.device
     has_t = targets is not None
     state = _empty((3 if entropy else 2, n_splits, T), torch.float32, dev)
     tz = _empty((T,) if has_t else (1,), torch.float32, dev)
     logits = _empty((T, V) if write_logits else (1, 1), weight.dtype, dev)
-    dummy_t = targets if has_t else tz
     grid = (triton.cdiv(T, tiles.block_t) * n_splits,)
     _lse_partial_kernel[grid](
-        hidden, weight, dummy_t, logits, state, tz, T, V, H, n_splits,
+        hidden, weight, targets if has_t else tz, logits, state, tz, T, V, H, n_splits,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), logits.stride(0),
         float(temperature),
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_K=tiles.block_k,
@@ -268,14 +275,23 @@ def _forward(hidden, weight, targets, temperature, entropy, write_logits, tiles=
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         enable_fp_fusion=False,  # no FMA contraction: the same rounding in every variant
     )
+    return state, tz, (logits if write_logits else None)
+
+
+def _combine(state, tz, targets, V, entropy):
+    """The second launch: the splits of ``state`` merged in index order -> (lp, ent, lse)."""
+    n_splits, T = state.shape[1:]
+    dev = state.device
+    has_t = targets is not None
     lse = _empty((T,), torch.float32, dev)
     lp = _empty((T,), torch.float32, dev) if has_t else None
     ent = _empty((T,), torch.float32, dev) if entropy else None
     _combine_kernel[(triton.cdiv(T, _COMBINE_BLOCK),)](
-        state, tz, dummy_t, lse, lp if has_t else lse, ent if entropy else lse, T, V, n_splits,
+        state, tz, targets if has_t else tz, lse, lp if has_t else lse, ent if entropy else lse,
+        T, V, n_splits,
         BLOCK=_COMBINE_BLOCK, HAS_TARGETS=has_t, ENTROPY=entropy, enable_fp_fusion=False,
     )
-    return lp, ent, lse, (logits if write_logits else None)
+    return lp, ent, lse
 
 
 def _empty(shape, dtype, device):
