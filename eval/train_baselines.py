@@ -171,10 +171,45 @@ def _probe_cudnn(device):
         raise RuntimeError("torch.backends.cuda.cudnn_sdp_enabled() is False")
 
 
+# A causal GQA varlen forward + backward at a small shape (two sequences, 16 q / 8 kv heads,
+# D = 128). Run in a child process: on the H200, flash-attn-4 4.0.0b19's SM90 backward raised
+# cudaErrorIllegalInstruction, which is sticky and ended the whole benchmark process with it.
+FA4_PROBE = """
+import os, sys
+site = os.environ.get("AREAL_TIK_KERNELS_SITE")
+sys.path += [site, os.path.join(site, "nvidia_cutlass_dsl", "dsl_packages")] if site else []
+from flash_attn.cute import flash_attn_varlen_func as fn  # before torch: an import error is quick
+import torch
+T, cu = 512, torch.tensor([0, 200, 512], device="cuda", dtype=torch.int32)
+q = torch.randn(T, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=312, max_seqlen_k=312, causal=True)
+(out[0] if isinstance(out, tuple) else out).float().sum().backward()
+torch.cuda.synchronize()
+assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), "non-finite gradient"
+"""
+
+
+def probe_fa4(timeout_s: float = 240.0) -> None:
+    """flash-attn-4's forward and backward once, in a child process; raises with the child's
+    last error line when it fails (an import error, a CUDA fault, a non-finite gradient)."""
+    import subprocess
+
+    try:  # the child appends the kernels site itself, as add_kernels_site does (after site-packages)
+        done = subprocess.run([sys.executable, "-c", FA4_PROBE], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"flash-attn-4 probe (forward + backward) did not finish in {timeout_s:.0f} s")
+    if done.returncode:
+        lines = [line.strip() for line in (done.stderr or "").splitlines() if line.strip()]
+        named = [line for line in lines if "Error" in line or "error" in line]
+        raise RuntimeError(f"flash-attn-4 probe (forward + backward) failed: {(named or lines or ['?'])[-1][:160]}")
+
+
 def attention_status(device) -> dict[str, str]:
     """backend -> "available" or why not (the exact import or probe error)."""
     out = {"flash_varlen": AVAILABLE}  # on CPU its stand-in runs, named by attention_labels
-    for name, probe in (("cudnn", _probe_cudnn), ("fa4", lambda device: load_fa4_varlen())):
+    for name, probe in (("cudnn", _probe_cudnn), ("fa4", lambda device: probe_fa4())):
         if torch.device(device).type != "cuda":
             out[name] = "needs a CUDA device"
             continue

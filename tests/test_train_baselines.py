@@ -8,6 +8,7 @@ import importlib.util
 import math
 import sys
 
+import pytest
 import torch
 
 from eval import train_baselines as tb
@@ -193,3 +194,11 @@ def test_check_logprobs_counts_close_steps_and_drops_far_or_failing_ones():
     assert _check_logprobs(broken, fails, [w], ours, reference) is None
     assert broken["error"] == "its log-prob check step failed: RuntimeError: illegal layout"
     assert tb.fastest({("a", "p"): 3.0, ("b", "p"): 2.0, ("c", "p"): None}) == (("b", "p"), 2.0)
+
+
+def test_fa4_probe_runs_in_a_child_and_names_its_error(monkeypatch):
+    # No flash-attn-4 here: the child's import error comes back as the baseline's status,
+    # and this process is untouched (on the H200 the child is what a sticky CUDA fault kills).
+    monkeypatch.delenv(tb.KERNELS_SITE_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=r"flash-attn-4 probe \(forward \+ backward\) failed: .*flash_attn"):
+        tb.probe_fa4(timeout_s=120)
