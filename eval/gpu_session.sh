@@ -66,11 +66,11 @@ for s in $STAGES; do case $s in
   # A chunked-prefill step taken apart (~60-90 s): the paged prefill kernel by chunk start
   # beside contiguous prefill and SDPA, the model's chunk eager vs graph-replayed, and one
   # engine mixed step under torch.profiler (top kernels, host wall vs GPU busy time).
-  # Its model part gives the host enqueue with linear.LAUNCH_CACHE off and on, and a cProfile
+  # Its model part gives the host enqueue with _common.HOST_FAST_PATH off and on, and a cProfile
   # top-25 (tottime) of one eager 2048-token chunk at 8K.
   probe_mixed) run probe_mixed 180 python3 -m eval.probe_mixed; cat "$W/probe_mixed.log" ;;  # all of it
   # The host path of an eager prefill step alone (tiny Qwen3-shaped model, 28 layers, GPU
-  # kernels too small to matter): enqueue ms per layer, LAUNCH_CACHE off and on, and a
+  # kernels too small to matter): enqueue ms per layer, HOST_FAST_PATH off and on, and a
   # cProfile top-25 per step kind (~1 minute, most of it compiling).
   probe_host) run probe_host 150 python3 -m eval.probe_host --rows 2048 --start 8192; cat "$W/probe_host.log" ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached

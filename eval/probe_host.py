@@ -127,19 +127,18 @@ def timed_ms(step, reps: int, sync) -> float:
 
 
 def ab_ms(step, reps: int, sync) -> tuple[float, float]:
-    """(ms with ``linear.LAUNCH_CACHE`` off, on): the host path before and after the launch
+    """(ms with ``_common.HOST_FAST_PATH`` off, on): the host path before and after the launch
     plans and fast checks, interleaved rep by rep so machine noise hits both alike."""
-    import importlib
+    from areal_tik.unified_kernels import _common
 
-    L = importlib.import_module("areal_tik.unified_kernels.linear")
-    saved, off, on = L.LAUNCH_CACHE, [], []
+    saved, off, on = _common.HOST_FAST_PATH, [], []
     try:
         for _ in range(reps):
             for flag, times in ((False, off), (True, on)):
-                L.LAUNCH_CACHE = flag
+                _common.HOST_FAST_PATH = flag
                 times.append(timed_ms(step, 1, sync))
     finally:
-        L.LAUNCH_CACHE = saved
+        _common.HOST_FAST_PATH = saved
     return min(off), min(on)
 
 
@@ -184,14 +183,14 @@ def main(argv=None) -> int:
                     t = time.perf_counter()
                     step()
                     real = f"; with the interpreter {(time.perf_counter() - t) * 1e3 / per:.1f}"
-                print(f"{label}: host ms per layer, LAUNCH_CACHE off -> on: no launch {bare_off / per:.3f} -> "
+                print(f"{label}: host ms per layer, HOST_FAST_PATH off -> on: no launch {bare_off / per:.3f} -> "
                       f"{bare / per:.3f}; + JIT front {front_off / per:.3f} -> {front / per:.3f} "
                       f"(JIT front alone {(front - bare) / per:.3f}){real}", flush=True)
                 with stubbed(front=False):
                     print(profile_top(step), flush=True)
             else:
                 off, on = ab_ms(step, args.reps, sync)
-                print(f"{label}: enqueue ms per layer, LAUNCH_CACHE off -> on: {off / per:.3f} -> {on / per:.3f} "
+                print(f"{label}: enqueue ms per layer, HOST_FAST_PATH off -> on: {off / per:.3f} -> {on / per:.3f} "
                       f"({off:.2f} -> {on:.2f} per step)", flush=True)
                 sync()
                 print(profile_top(step), flush=True)

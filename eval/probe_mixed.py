@@ -18,7 +18,7 @@ Usage (GPU, repo root):
    at each start, and the whole 16K prompt in one prefill: host enqueue time, synced wall
    time, and the same call replayed from a CUDA graph (pure GPU time). Wall >> graph
    with enqueue ~ wall means the eager step is bound by the host's launches. Enqueue is
-   given with ``linear.LAUNCH_CACHE`` off and on (the host path before and after the launch
+   given with ``_common.HOST_FAST_PATH`` off and on (the host path before and after the launch
    plans), and a cProfile top-25 (tottime) of one eager chunk at 8K names the host's cost.
 3. The engine in the ``eval.bench_prefix`` latency setting (32 sequences decoding when a
    16K prompt arrives, chunks of 2048): the wall time of every mixed step by chunk
@@ -201,18 +201,17 @@ def probe_model(model) -> None:
         cases[f"chunk of 2048 @{start // 1024}K"] = (
             lambda s=s, e=e, qs=qs: model.prefill(ids[s:e], pos[s:e], cu, CHUNK, cache, slots[s:e], last,
                                                   block_tables=table, query_starts=qs))
-    import importlib
+    from areal_tik.unified_kernels import _common
 
-    linear = importlib.import_module("areal_tik.unified_kernels.linear")
-    print("  (enqueue off: linear.LAUNCH_CACHE = False, the host path before the launch plans and fast checks)",
+    print("  (enqueue off: _common.HOST_FAST_PATH = False, the host path before the launch plans and fast checks)",
           flush=True)
     with torch.inference_mode():
         for label, fn in cases.items():
-            linear.LAUNCH_CACHE = False
+            _common.HOST_FAST_PATH = False
             try:
                 before = _eager_times(fn)[0]
             finally:
-                linear.LAUNCH_CACHE = True
+                _common.HOST_FAST_PATH = True
             enqueue, wall = _eager_times(fn)
             print(f"  {label:30s} enqueue off {before:8.2f} on {enqueue:8.2f}  wall {wall:8.2f}  graph {_graph_ms(fn)}",
                   flush=True)

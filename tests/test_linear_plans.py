@@ -1,4 +1,4 @@
-"""The unified linear's launch-plan cache (``linear.LAUNCH_CACHE``): a plan is served only
+"""The unified linear's launch-plan cache (on with ``_common.HOST_FAST_PATH``): a plan is served only
 to a call with the same shapes, strides, dtypes, alignment, bias and K groups, and every
 call gives the bits of a plan built afresh."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from ._bits import assert_bitwise
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
+C = importlib.import_module("areal_tik.unified_kernels._common")
 
 
 def _randn(*shape, dtype, seed, scale=1.0):
@@ -21,11 +22,11 @@ def _randn(*shape, dtype, seed, scale=1.0):
 
 def _fresh(x, w, b, monkeypatch):
     """The result with no plan cache (a plan and the generic checks per call)."""
-    monkeypatch.setattr(L, "LAUNCH_CACHE", False)
+    monkeypatch.setattr(C, "HOST_FAST_PATH", False)
     try:
         return L.linear(x, w, b)
     finally:
-        monkeypatch.setattr(L, "LAUNCH_CACHE", True)
+        monkeypatch.setattr(C, "HOST_FAST_PATH", True)
 
 
 def test_plans_follow_shape_stride_dtype_and_alignment(monkeypatch):

@@ -15,5 +15,5 @@ def test_cpu_run_reports_both_step_kinds(capsys):
     assert main(["--layers", "2", "--reps", "2", "--rows", "20", "--start", "16"]) == 0
     out = capsys.readouterr().out
     for label in ("contiguous prefill of 20", "paged chunk of 20 @16"):
-        assert f"{label}: host ms per layer, LAUNCH_CACHE off -> on: no launch" in out
+        assert f"{label}: host ms per layer, HOST_FAST_PATH off -> on: no launch" in out
     assert out.count("Ordered by: internal time") == 2 and "JIT front alone" in out

@@ -14,6 +14,12 @@ import torch
 # Dtypes the kernels accept for activations and weights.
 FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 
+# The launchers' host shortcuts: cached launch plans (linear) and cheap argument tests tried
+# before the generic checks (linear, attention). Read at call time; False gives the earlier
+# host path (a plan and the generic checks per call), for side-by-side timing
+# (eval/probe_host.py, eval/probe_mixed.py). The same kernels and arguments either way.
+HOST_FAST_PATH = True
+
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _common
 from ._common import grad_mm, interpreting
 from ._ktree import check_k_groups, combine_partials  # noqa: F401  (combine_partials: API of this module)
 from ._linear_checks import valid_fast_call, validate
@@ -288,8 +289,7 @@ def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_gr
 
 # Plans by everything ``_make_plan`` reads (shapes, strides, dtypes, device, 16-byte alignment
 # of x and weight, bias, K groups, fixed tile): 7 linears a layer skip its lookups and dicts
-# (eval/probe_host.py). False: a plan and the generic checks per call (the earlier path).
-LAUNCH_CACHE = True
+# (eval/probe_host.py). Used while ``_common.HOST_FAST_PATH`` is on.
 _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096  # row counts vary per step: bounded, cleared when full
 
@@ -326,7 +326,7 @@ def _forward_into(x2d, weight, bias, out, config: TileConfig | None, k_groups: i
     """One launch into ``out``: its dtype is the output's (x's, rounded once; or fp32,
     unrounded partials). ``config`` None: the table's, through the plan cache."""
     has_bias = bias is not None
-    if config is None and LAUNCH_CACHE:
+    if config is None and _common.HOST_FAST_PATH:
         plan = _plan(x2d, weight, out, has_bias, k_groups)
     else:
         plan = _make_plan(x2d, weight, out, has_bias, config, k_groups)
@@ -388,7 +388,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     balanced tree (``_ktree``), so that G / t groups on each of t tensor-parallel ranks
     (``linear_partial`` + ``combine_partials``) give the same bits; G = 1 is the plain chain.
     """
-    if not (LAUNCH_CACHE and valid_fast_call(x, weight, bias)):
+    if not (_common.HOST_FAST_PATH and valid_fast_call(x, weight, bias)):
         validate(x, weight, bias)
     check_k_groups(k_groups, x.shape[-1])
     flat = x.dim() == 2
