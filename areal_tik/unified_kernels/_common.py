@@ -52,6 +52,15 @@ def check_tensor(
     return t
 
 
+def on_fast_device(first: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Every tensor on ``first``'s CUDA device, or all on the CPU under the interpreter: the
+    devices the launchers' cheap argument tests accept (so CPU tests run them too)."""
+    if first.is_cuda:
+        dev = first.get_device()
+        return all(t.is_cuda and t.get_device() == dev for t in others)
+    return first.is_cpu and all(t.is_cpu for t in others) and interpreting()
+
+
 def check_device(name: str, t: torch.Tensor) -> None:
     """Kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
     if t.device.type == "cuda":
