@@ -17,7 +17,9 @@ Usage (GPU, repo root):
 2. The model: one chunk through ``UnifiedCausalLM.prefill`` (all 28 layers, paged path)
    at each start, and the whole 16K prompt in one prefill: host enqueue time, synced wall
    time, and the same call replayed from a CUDA graph (pure GPU time). Wall >> graph
-   with enqueue ~ wall means the eager step is bound by the host's launches.
+   with enqueue ~ wall means the eager step is bound by the host's launches. Enqueue is
+   given with ``_common.HOST_FAST_PATH`` off and on (the host path before and after the launch
+   plans), and a cProfile top-25 (tottime) of one eager chunk at 8K names the host's cost.
 3. The engine in the ``eval.bench_prefix`` latency setting (32 sequences decoding when a
    16K prompt arrives, chunks of 2048): the wall time of every mixed step by chunk
    start, then one mixed step (the chunk at 8K) under torch.profiler: host wall vs the
@@ -36,6 +38,7 @@ import torch
 from triton.testing import do_bench
 
 from eval.bench_attention import graph_us
+from eval.probe_host import profile_top
 from eval.probe_attention import _paged, _randn
 
 from areal_tik.unified_kernels import _attention_fwd as F
@@ -198,11 +201,27 @@ def probe_model(model) -> None:
         cases[f"chunk of 2048 @{start // 1024}K"] = (
             lambda s=s, e=e, qs=qs: model.prefill(ids[s:e], pos[s:e], cu, CHUNK, cache, slots[s:e], last,
                                                   block_tables=table, query_starts=qs))
+    from areal_tik.unified_kernels import _common
+
+    print("  (enqueue off: _common.HOST_FAST_PATH = False, the host path before the launch plans and fast checks)",
+          flush=True)
     with torch.inference_mode():
         for label, fn in cases.items():
+            _common.HOST_FAST_PATH = False
+            try:
+                before = _eager_times(fn)[0]
+            finally:
+                _common.HOST_FAST_PATH = True
             enqueue, wall = _eager_times(fn)
-            print(f"  {label:30s} enqueue {enqueue:8.2f}  wall {wall:8.2f}  graph {_graph_ms(fn)}", flush=True)
-        profile_call(cases[f"chunk of 2048 @{STARTS[2] // 1024}K"], f"eager chunk @{STARTS[2] // 1024}K (main thread)")
+            print(f"  {label:30s} enqueue off {before:8.2f} on {enqueue:8.2f}  wall {wall:8.2f}  graph {_graph_ms(fn)}",
+                  flush=True)
+        chunk = cases[f"chunk of 2048 @{STARTS[2] // 1024}K"]
+        profile_call(chunk, f"eager chunk @{STARTS[2] // 1024}K (main thread)")
+        print(f"  cProfile of one eager chunk @{STARTS[2] // 1024}K, top 25 by tottime (what the host spends on):",
+              flush=True)
+        torch.cuda.synchronize()
+        print(profile_top(chunk, top=25), flush=True)
+        torch.cuda.synchronize()
 
 
 def profile_call(fn, what: str) -> None:

@@ -14,6 +14,12 @@ import torch
 # Dtypes the kernels accept for activations and weights.
 FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 
+# The launchers' host shortcuts: cached launch plans (linear) and cheap argument tests tried
+# before the generic checks (linear, attention). Read at call time; False gives the earlier
+# host path (a plan and the generic checks per call), for side-by-side timing
+# (eval/probe_host.py, eval/probe_mixed.py). The same kernels and arguments either way.
+HOST_FAST_PATH = True
+
 
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
@@ -44,6 +50,15 @@ def check_tensor(
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
     check_device(name, t)
     return t
+
+
+def on_fast_device(first: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Every tensor on ``first``'s CUDA device, or all on the CPU under the interpreter: the
+    devices the launchers' cheap argument tests accept (so CPU tests run them too)."""
+    if first.is_cuda:
+        dev = first.get_device()
+        return all(t.is_cuda and t.get_device() == dev for t in others)
+    return first.is_cpu and all(t.is_cpu for t in others) and interpreting()
 
 
 def check_device(name: str, t: torch.Tensor) -> None:

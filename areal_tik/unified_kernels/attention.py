@@ -32,6 +32,8 @@ for training, the LSE allocation); decode 1 when the table covers one KV split, 
 one fp32 workspace; backward 3. Metadata checks are plain attribute reads (about 10 us of
 Python in all on a 2-core CI machine, the Triton launch path about as much per kernel):
 small eager calls are bounded by that, which is why the engine captures decode in graphs.
+With ``validate=False`` a cheap test (``_attention_checks``) is tried first and the
+generic checks run only when it fails (they then name the bad value).
 """
 from __future__ import annotations
 
@@ -39,12 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _attention_bwd, _attention_fwd
+from . import _attention_bwd, _attention_fwd, _common
+from ._attention_checks import HEAD_DIMS, paged_fast_ok, store_fast_ok, varlen_fast_ok
 from ._attention_bwd import BwdConfig
 from ._attention_fwd import FwdConfig
 from ._common import FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor
-
-HEAD_DIMS = (16, 32, 64, 128)
 
 
 # ----------------------------------------------------------------------------- KV cache store
@@ -197,7 +198,8 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None, *,
     ``config``/``bwd_config`` override the tiling (for probing only: the contract holds
     only when prefill and decode use the same forward config).
     """
-    max_seqlen = _check_varlen(q, k, v, cu_seqlens, max_seqlen, validate)
+    if validate or not (_common.HOST_FAST_PATH and varlen_fast_ok(q, k, v, cu_seqlens, max_seqlen)):
+        max_seqlen = _check_varlen(q, k, v, cu_seqlens, max_seqlen, validate)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     scale = _scale(softmax_scale, q.shape[-1])
     config = config or _attention_fwd.attention_config()
@@ -212,6 +214,22 @@ def attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None, *,
 def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = True):
     """Write k/v ``[T, Hk, D]`` into the paged caches at flat slots (block * block_size +
     offset); slot -1 skips a row (padding)."""
+    if validate or not (_common.HOST_FAST_PATH and store_fast_ok(k, v, k_cache, v_cache, slot_mapping)):
+        _check_store(k, v, k_cache, v_cache, slot_mapping, validate)
+    if k.shape[0] == 0:
+        return
+    k, v = _unit_last_stride(k), _unit_last_stride(v)
+    hk, dim = k.shape[1], k.shape[2]
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], hk,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(hk), num_warps=4,
+    )
+
+
+def _check_store(k, v, k_cache, v_cache, slot_mapping, validate: bool) -> None:
     check_tensor("k", k, dtypes=FLOAT_DTYPES, ndim=3, allow_empty=True)
     check_tensor("v", v, dtypes=FLOAT_DTYPES, ndim=3, allow_empty=True)
     check_tensor("k_cache", k_cache, dtypes=FLOAT_DTYPES, ndim=4)
@@ -234,17 +252,6 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = Tru
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_slots:
             raise ValueError(f"slot_mapping values must lie in [-1, {num_slots}), got min {lo} max {hi}")
-    if k.shape[0] == 0:
-        return
-    k, v = _unit_last_stride(k), _unit_last_stride(v)
-    hk, dim = k.shape[1], k.shape[2]
-    _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], hk,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(hk), num_warps=4,
-    )
 
 
 def attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None, *,
@@ -294,6 +301,24 @@ def attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_t
     ``[S, max_blocks]`` int32, ``query_starts`` ``[S]`` int32. Rows past ``cu[-1]`` get zeros.
     """
     config = config or _attention_fwd.attention_config()
+    if validate or not (_common.HOST_FAST_PATH and paged_fast_ok(
+            q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables, query_starts, config.block_n)):
+        max_seqlen = _check_paged(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables, query_starts,
+                                  validate, config)
+    num_seqs = cu_seqlens.shape[0] - 1
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    q = _unit_last_stride(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] > 0:
+        _attention_fwd.launch_prefill_paged(q, k_cache, v_cache, cu_seqlens, block_tables,
+                                            query_starts, out, num_seqs, max_seqlen,
+                                            _scale(softmax_scale, q.shape[-1]), config)
+    return out
+
+
+def _check_paged(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables, query_starts, validate: bool,
+                 config: FwdConfig):
+    """Every check of ``attention_paged_prefill``; returns ``max_seqlen`` as an int."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3, allow_empty=True)
     _check_cache(k_cache, v_cache, config)
     for name, t, ndim in (("cu_seqlens", cu_seqlens, 1), ("block_tables", block_tables, 2),
@@ -307,19 +332,12 @@ def attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_t
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and query_starts "
                          f"{tuple(query_starts.shape)} must have one row per sequence (S = {num_seqs})")
     max_seqlen = _check_varlen(q, q[:, :1], q[:, :1], cu_seqlens, max_seqlen, validate)
-    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     if _checking(validate) and num_seqs:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(query_starts.device)
         if int(query_starts.min()) < 0:
             raise ValueError(f"query_starts must be >= 0, got min {int(query_starts.min())}")
         _check_decode_values(block_tables, query_starts + lengths, k_cache.shape[0], k_cache.shape[1])
-    q = _unit_last_stride(q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.shape[0] > 0:
-        _attention_fwd.launch_prefill_paged(q, k_cache, v_cache, cu_seqlens, block_tables,
-                                            query_starts, out, num_seqs, max_seqlen,
-                                            _scale(softmax_scale, q.shape[-1]), config)
-    return out
+    return max_seqlen
 
 
 def _check_decode_values(block_tables, context_lens, num_blocks, block_size):

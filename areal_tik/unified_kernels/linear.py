@@ -46,14 +46,17 @@ if turned on globally).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_same_device, check_tensor, grad_mm, interpreting
+from . import _common
+from ._common import grad_mm, interpreting
 from ._ktree import check_k_groups, combine_partials  # noqa: F401  (combine_partials: API of this module)
+from ._linear_checks import valid_fast_call, validate
 from ._linear_chain import _tiled_group, _tiled_subtree, _tma_group, _tma_subtree
 from ._linear_tiles import (  # noqa: F401  (the tables: tuned by the search, read by tests and benches)
     _CPU_BUCKETS, _CPU_CANDIDATES, _CPU_FIXED, _CPU_PROGRAMS, _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED,
@@ -243,55 +246,93 @@ def _linear_fwd_persistent_kernel(
             out_desc.store([off_m, off_n], _round_out(acc, dtype, INTERPRET))
 
 
-def _launch_options(x2d, bias, cfg: TileConfig, k_groups: int) -> dict:
+def _launch_options(x2d, has_bias: bool, cfg: TileConfig, k_groups: int) -> dict:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                HAS_BIAS=bias is not None, INTERPRET=interpreting(), K_GROUPS=k_groups,
+                HAS_BIAS=has_bias, INTERPRET=interpreting(), K_GROUPS=k_groups,
                 DOT_PRECISION="ieee" if x2d.dtype == torch.float32 else "tf32",
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _launch_tiled(x2d, weight, bias, out, cfg: TileConfig, k_groups: int = 1) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Plan:  # one launch's kernel, grid, int and constexpr arguments, TMA boxes (x, weight, out)
+    persistent: bool
+    grid: tuple
+    ints: tuple  # M, N, K, then (tiled) the strides of x, weight and out
+    consts: dict
+    boxes: tuple = ()
+
+
+def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_groups: int) -> _Plan:
+    """The persistent kernel runs where TMA can read the operands and, with several K
+    groups, no TMA box straddles two groups ((K / G) % BLOCK_K == 0); otherwise the tiled
+    kernel runs with the same tile (the same bits)."""
     (M, K), N = x2d.shape, weight.shape[0]
-    _linear_fwd_kernel[(triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)](
-        x2d, weight, bias if bias is not None else out, out, M, N, K,
-        x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        EVEN_K=(K // k_groups) % cfg.block_k == 0, MASK_ROWS=M < cfg.block_m,
-        **_launch_options(x2d, bias, cfg, k_groups))
-
-
-def _launch_persistent(x2d, weight, bias, out, cfg: TileConfig, k_groups: int = 1) -> None:
-    (M, K), N = x2d.shape, weight.shape[0]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    sms = _CPU_PROGRAMS if interpreting() else _device_info(x2d.device.index or 0)[1]
-    # An fp32 output (partials) of bf16 operands stores half tiles: the epilogue's shared
-    # memory is then that of a whole bf16 tile, which every table config fits.
-    split = cfg.split_epilogue or out.element_size() > x2d.element_size()
-    _linear_fwd_persistent_kernel[(min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)](
-        TensorDescriptor(x2d, [M, K], [x2d.stride(0), 1], [bm, bk]),
-        TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [bn, bk]),
-        TensorDescriptor(out, [M, N], [N, 1], [bm, bn // 2 if split else bn]),
-        bias if bias is not None else out, M, N, K,
-        NUM_PROGRAMS=sms, SPLIT_EPILOGUE=split, **_launch_options(x2d, bias, cfg, k_groups))
-
-
-def _forward_into(x2d, weight, bias, out, config: TileConfig | None, k_groups: int) -> torch.Tensor:
-    """One launch into ``out``: its dtype is the output's (x's, rounded once; or fp32,
-    unrounded partials). The persistent kernel runs where TMA can read the operands and,
-    with several K groups, no TMA box straddles two groups ((K / G) % BLOCK_K == 0);
-    otherwise the tiled kernel runs with the same tile (the same bits)."""
-    M, K = x2d.shape
-    N = weight.shape[0]
     tma = tma_compatible(x2d, weight)
     cfg = config
     if cfg is None:
         sms = _device_info(x2d.device.index or 0)[1] if x2d.is_cuda else _REFERENCE_SMS
         cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
-    if bias is not None:
-        bias = bias.contiguous()
-    if cfg.persistent and tma and (k_groups == 1 or (K // k_groups) % cfg.block_k == 0):
-        _launch_persistent(x2d, weight, bias, out, cfg, k_groups)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    options = _launch_options(x2d, has_bias, cfg, k_groups)
+    if cfg.persistent and tma and (k_groups == 1 or (K // k_groups) % bk == 0):
+        sms = _CPU_PROGRAMS if interpreting() else _device_info(x2d.device.index or 0)[1]
+        # An fp32 output (partials) of bf16 operands stores half tiles: the epilogue's shared
+        # memory is then that of a whole bf16 tile, which every table config fits.
+        split = cfg.split_epilogue or out.element_size() > x2d.element_size()
+        return _Plan(True, (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),), (M, N, K),
+                     dict(options, NUM_PROGRAMS=sms, SPLIT_EPILOGUE=split),
+                     ((bm, bk), (bn, bk), (bm, bn // 2 if split else bn)))
+    return _Plan(False, (triton.cdiv(M, bm) * triton.cdiv(N, bn),),
+                 (M, N, K, x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0)),
+                 dict(options, EVEN_K=(K // k_groups) % bk == 0, MASK_ROWS=M < bm))
+
+
+# Plans by everything ``_make_plan`` reads (shapes, strides, dtypes, device, 16-byte alignment
+# of x and weight, bias, K groups, fixed tile): 7 linears a layer skip its lookups and dicts
+# (eval/probe_host.py). Used while ``_common.HOST_FAST_PATH`` is on.
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096  # row counts vary per step: bounded, cleared when full
+
+
+def _plan_key(x2d, weight, out, has_bias: bool, k_groups: int) -> tuple:
+    return (x2d.shape, x2d.stride(), weight.shape, weight.stride(), out.stride(), x2d.dtype, out.dtype,
+            x2d.get_device(), x2d.data_ptr() % 16, weight.data_ptr() % 16, has_bias, k_groups, FIXED_TILE)
+
+
+def _plan(x2d, weight, out, has_bias: bool, k_groups: int) -> _Plan:
+    key = _plan_key(x2d, weight, out, has_bias, k_groups)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(x2d, weight, out, has_bias, None, k_groups)
+    return plan
+
+
+def _launch_tiled(x2d, weight, bias, out, plan: _Plan) -> None:
+    _linear_fwd_kernel[plan.grid](x2d, weight, bias if bias is not None else out, out, *plan.ints, **plan.consts)
+
+
+def _launch_persistent(x2d, weight, bias, out, plan: _Plan) -> None:
+    (M, N, K), (box_x, box_w, box_out) = plan.ints, plan.boxes
+    _linear_fwd_persistent_kernel[plan.grid](
+        TensorDescriptor(x2d, [M, K], [x2d.stride(0), 1], list(box_x)),
+        TensorDescriptor(weight, [N, K], [weight.stride(0), 1], list(box_w)),
+        TensorDescriptor(out, [M, N], [N, 1], list(box_out)),
+        bias if bias is not None else out, M, N, K, **plan.consts)
+
+
+def _forward_into(x2d, weight, bias, out, config: TileConfig | None, k_groups: int) -> torch.Tensor:
+    """One launch into ``out``: its dtype is the output's (x's, rounded once; or fp32,
+    unrounded partials). ``config`` None: the table's, through the plan cache."""
+    has_bias = bias is not None
+    if config is None and _common.HOST_FAST_PATH:
+        plan = _plan(x2d, weight, out, has_bias, k_groups)
     else:
-        _launch_tiled(x2d, weight, bias, out, cfg, k_groups)
+        plan = _make_plan(x2d, weight, out, has_bias, config, k_groups)
+    if has_bias and not bias.is_contiguous():
+        bias = bias.contiguous()
+    (_launch_persistent if plan.persistent else _launch_tiled)(x2d, weight, bias, out, plan)
     return out
 
 
@@ -337,25 +378,6 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None  # the backward ignores the K-group tree (no bitwise requirement)
 
 
-def _validate(x, weight, bias) -> None:
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    if x.dim() < 1:
-        raise ValueError(f"x must have rank >= 1 ([..., K]), got shape {tuple(x.shape)}")
-    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, ndim=2)
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype must equal x dtype {x.dtype}, got {weight.dtype}")
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got shape {tuple(weight.shape)}")
-    if bias is not None:
-        check_tensor("bias", bias, dtypes=FLOAT_DTYPES, ndim=1)
-        if bias.dtype != x.dtype:
-            raise TypeError(f"bias dtype must equal x dtype {x.dtype}, got {bias.dtype}")
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    check_same_device(x=x, weight=weight, bias=bias)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            k_groups: int = 1) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp32 accumulation in a fixed K order, rounded once.
@@ -366,15 +388,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     balanced tree (``_ktree``), so that G / t groups on each of t tensor-parallel ranks
     (``linear_partial`` + ``combine_partials``) give the same bits; G = 1 is the plain chain.
     """
-    _validate(x, weight, bias)
+    if not (_common.HOST_FAST_PATH and valid_fast_call(x, weight, bias)):
+        validate(x, weight, bias)
     check_k_groups(k_groups, x.shape[-1])
-    x2d = x.reshape(-1, x.shape[-1])
-    needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and needs_grad:
+    flat = x.dim() == 2
+    x2d = x if flat else x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
         out = _LinearFunction.apply(x2d, weight, bias, k_groups)
     else:
         out = linear_forward(x2d, weight, bias, k_groups=k_groups)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear_partial(x: torch.Tensor, weight_shard: torch.Tensor, *, k_groups: int) -> torch.Tensor:
@@ -384,7 +408,7 @@ def linear_partial(x: torch.Tensor, weight_shard: torch.Tensor, *, k_groups: int
     columns; ``k_groups`` = G / t groups of them. Forward only (no autograd). The ranks'
     results, in rank order, go to ``combine_partials``.
     """
-    _validate(x, weight_shard, None)
+    validate(x, weight_shard, None)
     check_k_groups(k_groups, x.shape[-1])
     x2d = x.reshape(-1, x.shape[-1])
     with torch.no_grad():

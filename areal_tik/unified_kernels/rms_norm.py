@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor, interpreting
+from ._common import (FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor, interpreting,
+                      on_fast_device)
 from ._rounding import cast_rne
 
 # Kernels round with integer ops under the interpreter (see _rounding.py).
@@ -359,18 +360,17 @@ def _check(x, residual, weight, eps) -> float:
 
 
 def _valid_cuda_call(x, residual, weight, eps) -> bool:
-    """A cheap test that implies every check of ``_check`` (CUDA tensors, float eps): the
-    common case skips the generic validators; anything else takes them and gets their
-    error message. No check reads device memory (no synchronisation)."""
+    """A cheap test that implies every check of ``_check`` (one CUDA device or, under the
+    interpreter, the CPU; float eps): the common case skips the generic validators;
+    anything else takes them and gets their error message. No check reads device memory
+    (no synchronisation)."""
     if not (type(eps) is float and 0.0 < eps < math.inf and isinstance(x, torch.Tensor)
-            and isinstance(weight, torch.Tensor) and x.is_cuda and weight.is_cuda):
+            and isinstance(weight, torch.Tensor) and on_fast_device(x, weight)):
         return False
-    dev = x.get_device()
     ok = (x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES and x.dim() >= 1
-          and weight.dim() == 1 and x.numel() > 0 and weight.shape[0] == x.shape[-1]
-          and weight.get_device() == dev)
+          and weight.dim() == 1 and x.numel() > 0 and weight.shape[0] == x.shape[-1])
     if ok and residual is not None:
-        ok = (isinstance(residual, torch.Tensor) and residual.is_cuda and residual.get_device() == dev
+        ok = (isinstance(residual, torch.Tensor) and on_fast_device(x, residual)
               and residual.dtype == x.dtype and residual.shape == x.shape)
     return ok
 

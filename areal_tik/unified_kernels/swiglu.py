@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, check_tensor, interpreting
+from ._common import FLOAT_DTYPES, check_tensor, interpreting, on_fast_device
 from ._rounding import cast_rne
 
 # Kernels round with integer ops under the interpreter (see _rounding.py).
@@ -171,9 +171,10 @@ class _SiluMulFunction(torch.autograd.Function):
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]`` for a packed ``[..., 2I]`` input -> ``[..., I]``."""
-    # The first test implies every later check for CUDA input (the common case skips the
-    # generic validator); anything else takes the full checks and gets their message.
-    if not (isinstance(gate_up, torch.Tensor) and gate_up.is_cuda and gate_up.dtype in FLOAT_DTYPES
+    # The first test implies every later check for CUDA input, or CPU input under the
+    # interpreter (the common case skips the generic validator); anything else takes the
+    # full checks and gets their message.
+    if not (isinstance(gate_up, torch.Tensor) and on_fast_device(gate_up) and gate_up.dtype in FLOAT_DTYPES
             and gate_up.dim() >= 1 and gate_up.numel() > 0 and gate_up.shape[-1] % 2 == 0):
         check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES)
         if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
