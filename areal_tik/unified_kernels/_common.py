@@ -18,7 +18,8 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 # before the generic checks (linear, attention). Read at call time; False gives the earlier
 # host path (a plan and the generic checks per call), for side-by-side timing
 # (eval/probe_host.py, eval/probe_mixed.py). The same kernels and arguments either way.
-HOST_FAST_PATH = True
+# AREAL_TIK_HOST_FAST_PATH=0 starts a process with it off.
+HOST_FAST_PATH = os.environ.get("AREAL_TIK_HOST_FAST_PATH", "1") != "0"
 
 
 def interpreting() -> bool:
