@@ -12,21 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ._common import interpreting
+from ._common import on_fast_device
 
 HEAD_DIMS = (16, 32, 64, 128)
 _FLOATS = (torch.bfloat16, torch.float32)
-
-
-def _one_device(tensors) -> bool:
-    """Plain tensors on one CUDA device, or all on the CPU under the interpreter."""
-    first = tensors[0]
-    if type(first) is not torch.Tensor:
-        return False
-    if first.is_cuda:
-        dev = first.get_device()
-        return all(type(t) is torch.Tensor and t.is_cuda and t.get_device() == dev for t in tensors[1:])
-    return first.is_cpu and all(type(t) is torch.Tensor and t.is_cpu for t in tensors[1:]) and interpreting()
 
 
 def _heads_ok(q, k) -> bool:
@@ -42,7 +31,7 @@ def _caches_ok(k_cache, v_cache, dtype, block_n: int) -> bool:
 
 def varlen_fast_ok(q, k, v, cu_seqlens, max_seqlen) -> bool:
     """``attention_varlen`` without value checks."""
-    if not _one_device((q, k, v, cu_seqlens)):
+    if not on_fast_device(q, k, v, cu_seqlens):
         return False
     dtype = q.dtype
     return (dtype in _FLOATS and q.dim() == 3 and k.dim() == 3 and k.dtype is dtype and v.shape == k.shape
@@ -53,7 +42,7 @@ def varlen_fast_ok(q, k, v, cu_seqlens, max_seqlen) -> bool:
 
 def store_fast_ok(k, v, k_cache, v_cache, slot_mapping) -> bool:
     """``store_kv_cache`` without value checks."""
-    if not _one_device((k, v, k_cache, v_cache, slot_mapping)):
+    if not on_fast_device(k, v, k_cache, v_cache, slot_mapping):
         return False
     dtype = k.dtype
     return (dtype in _FLOATS and k.dim() == 3 and v.shape == k.shape and v.dtype is dtype
@@ -66,7 +55,7 @@ def store_fast_ok(k, v, k_cache, v_cache, slot_mapping) -> bool:
 
 def paged_fast_ok(q, k_cache, v_cache, cu_seqlens, max_seqlen, block_tables, query_starts, block_n: int) -> bool:
     """``attention_paged_prefill`` without value checks."""
-    if not _one_device((q, k_cache, v_cache, cu_seqlens, block_tables, query_starts)):
+    if not on_fast_device(q, k_cache, v_cache, cu_seqlens, block_tables, query_starts):
         return False
     dtype = q.dtype
     if not (dtype in _FLOATS and q.dim() == 3 and q.shape[1] > 0 and _caches_ok(k_cache, v_cache, dtype, block_n)

@@ -53,9 +53,12 @@ def check_tensor(
     return t
 
 
-def on_fast_device(first: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Every tensor on ``first``'s CUDA device, or all on the CPU under the interpreter: the
-    devices the launchers' cheap argument tests accept (so CPU tests run them too)."""
+def on_fast_device(first, *others) -> bool:
+    """Every argument a tensor on ``first``'s CUDA device, or all on the CPU under the
+    interpreter: the devices the launchers' cheap argument tests accept (so CPU tests run
+    them too). Anything else is False: the caller's generic checks then name it."""
+    if not (isinstance(first, torch.Tensor) and all(isinstance(t, torch.Tensor) for t in others)):
+        return False
     if first.is_cuda:
         dev = first.get_device()
         return all(t.is_cuda and t.get_device() == dev for t in others)

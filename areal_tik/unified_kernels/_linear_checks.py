@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import torch
 
-from ._common import FLOAT_DTYPES, check_same_device, check_tensor, interpreting
+from ._common import FLOAT_DTYPES, check_same_device, check_tensor, on_fast_device
 
 
 def valid_fast_call(x, weight, bias) -> bool:
     """A cheap test that implies every check of ``validate`` (CUDA tensors on one device, or
     CPU tensors under the interpreter): the common case skips the generic validators,
     anything else takes them and gets their message. Reads no device memory."""
-    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
-        return False
-    cuda, dev = x.is_cuda, x.get_device()
-    if not ((weight.is_cuda and weight.get_device() == dev) if cuda else
-            (x.is_cpu and weight.is_cpu and interpreting())):
+    if not on_fast_device(x, weight, *(() if bias is None else (bias,))):
         return False
     dtype = x.dtype
     ok = ((dtype is torch.bfloat16 or dtype is torch.float32) and weight.dtype is dtype and x.dim() >= 1
           and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and x.numel() > 0 and weight.numel() > 0)
     if ok and bias is not None:
-        ok = (isinstance(bias, torch.Tensor) and bias.dtype is dtype and bias.dim() == 1
-              and bias.shape[0] == weight.shape[0]
-              and ((bias.is_cuda and bias.get_device() == dev) if cuda else bias.is_cpu))
+        ok = bias.dtype is dtype and bias.dim() == 1 and bias.shape[0] == weight.shape[0]
     return ok
 
 

@@ -364,14 +364,12 @@ def _valid_cuda_call(x, residual, weight, eps) -> bool:
     interpreter, the CPU; float eps): the common case skips the generic validators;
     anything else takes them and gets their error message. No check reads device memory
     (no synchronisation)."""
-    if not (type(eps) is float and 0.0 < eps < math.inf and isinstance(x, torch.Tensor)
-            and isinstance(weight, torch.Tensor) and on_fast_device(x, weight)):
+    if not (type(eps) is float and 0.0 < eps < math.inf and on_fast_device(x, weight)):
         return False
     ok = (x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES and x.dim() >= 1
           and weight.dim() == 1 and x.numel() > 0 and weight.shape[0] == x.shape[-1])
     if ok and residual is not None:
-        ok = (isinstance(residual, torch.Tensor) and on_fast_device(x, residual)
-              and residual.dtype == x.dtype and residual.shape == x.shape)
+        ok = on_fast_device(x, residual) and residual.dtype == x.dtype and residual.shape == x.shape
     return ok
 
 

@@ -174,7 +174,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # The first test implies every later check for CUDA input, or CPU input under the
     # interpreter (the common case skips the generic validator); anything else takes the
     # full checks and gets their message.
-    if not (isinstance(gate_up, torch.Tensor) and on_fast_device(gate_up) and gate_up.dtype in FLOAT_DTYPES
+    if not (on_fast_device(gate_up) and gate_up.dtype in FLOAT_DTYPES
             and gate_up.dim() >= 1 and gate_up.numel() > 0 and gate_up.shape[-1] % 2 == 0):
         check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES)
         if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
