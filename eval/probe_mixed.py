@@ -206,13 +206,15 @@ def probe_model(model) -> None:
     print("  (enqueue off: _common.HOST_FAST_PATH = False, the host path before the launch plans and fast checks)",
           flush=True)
     with torch.inference_mode():
+        saved = _common.HOST_FAST_PATH
         for label, fn in cases.items():
-            _common.HOST_FAST_PATH = False
             try:
+                _common.HOST_FAST_PATH = False
                 before = _eager_times(fn)[0]
-            finally:
                 _common.HOST_FAST_PATH = True
-            enqueue, wall = _eager_times(fn)
+                enqueue, wall = _eager_times(fn)
+            finally:
+                _common.HOST_FAST_PATH = saved
             print(f"  {label:30s} enqueue off {before:8.2f} on {enqueue:8.2f}  wall {wall:8.2f}  graph {_graph_ms(fn)}",
                   flush=True)
         chunk = cases[f"chunk of 2048 @{STARTS[2] // 1024}K"]
