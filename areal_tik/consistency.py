@@ -117,6 +117,19 @@ class RecordingOps:
         return recorded
 
 
+def _merge_projections(records) -> list[tuple[str, tuple]]:
+    """Each run of consecutive ``linear`` records (q, k, v; gate, up) as one record of
+    their outputs side by side: the fused rollout GEMM's output (model/fused.py, the same
+    bits per column), so both regimes' sequences line up whichever path ran."""
+    merged: list[tuple[str, tuple]] = []
+    for name, outs in records:
+        if name == "linear" and merged and merged[-1][0] == "linear":
+            merged[-1] = ("linear", (torch.cat([merged[-1][1][0], outs[0]], dim=-1),))
+        else:
+            merged.append((name, outs))
+    return merged
+
+
 def _labelled(records, n_layers: int) -> list[tuple[str, str, torch.Tensor]]:
     """(layer label, op label, tensor) for each output, attention unified under one name.
 
@@ -221,7 +234,8 @@ def first_divergence(model, outputs: list[GenerationOutput], request: int, token
     regime = "prefill" if position == prompt_len - 1 else "decode"
     rollout_rows, rollout_index = (prompt_len, position) if regime == "prefill" else (1, 0)
     n_layers = model.spec.n_layers
-    a, b = _labelled(rollout.records, n_layers), _labelled(packed.records, n_layers)
+    a = _labelled(_merge_projections(rollout.records), n_layers)
+    b = _labelled(_merge_projections(packed.records), n_layers)
     compared = 0
     for (layer, op, x), (_, op_b, y) in zip(a, b):
         assert op == op_b, f"op sequences differ: {op} vs {op_b}"

@@ -29,11 +29,25 @@ from .sequence import Sequence, split_step, step_kind
 logger = logging.getLogger(__name__)
 
 
-def warmup_shapes(model):
+def _fused_linears(hf) -> set:
+    """The rollout path's fused q|k|v and gate|up GEMMs (model/fused.py), (N, K, has_bias)."""
+    out = set()
+    for layer in getattr(getattr(hf, "model", hf), "layers", ()):
+        groups = ((getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")),
+                  (getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj")))
+        for group in groups:
+            mods = list(group)
+            if all(isinstance(m, torch.nn.Linear) for m in mods):
+                out.add((sum(m.out_features for m in mods), mods[0].in_features, mods[0].bias is not None))
+    return out
+
+
+def warmup_shapes(model, rollout: bool = False):
     """``WarmupShapes`` of a ``UnifiedCausalLM``: every projection weight (the LM head
     aside), its norms, MLP width, heads and LM head. o_proj / down_proj run the model's
     K-group tree (``k_groups``): on one device a linear with it, on a tensor-parallel
-    rank the ``linear_partial`` of the rank's subtree (other kernel keys, so listed so)."""
+    rank the ``linear_partial`` of the rank's subtree (other kernel keys, so listed so).
+    ``rollout``: also the fused q|k|v and gate|up GEMMs the rollout path runs."""
     from areal_tik.unified_kernels import WarmupShapes
 
     spec, hf = model.config, model.hf_model
@@ -50,9 +64,12 @@ def warmup_shapes(model):
             partials.add((m.out_features, m.in_features, groups // ranks))
         else:
             linears.add(entry + (groups,) if name.endswith(("o_proj", "down_proj")) and groups > 1 else entry)
+    if rollout:
+        linears |= _fused_linears(hf)
     norms = (spec.hidden, spec.head_dim) if spec.qk_norm else (spec.hidden,)
+    head_norms = ((spec.n_heads, spec.head_dim), (spec.n_kv_heads, spec.head_dim)) if spec.qk_norm else ()
     return WarmupShapes(tuple(sorted(linears)), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),
-                        tuple(lm.shape), dtype=lm.dtype, partials=tuple(sorted(partials)))
+                        tuple(lm.shape), dtype=lm.dtype, partials=tuple(sorted(partials)), head_norms=head_norms)
 
 
 @dataclass
@@ -187,7 +204,7 @@ class ModelRunner:
         # A step holds at most the prefill budget, or a chunk plus one decode row per sequence.
         rows = max(cfg.batched_tokens_limit, cfg.max_num_seqs, (cfg.prefill_chunk_tokens or 0) + cfg.max_num_seqs)
         start = time.perf_counter()
-        counts = warmup(warmup_shapes(self.model), rows, self.device, training=False, sampling=True,
+        counts = warmup(warmup_shapes(self.model, rollout=True), rows, self.device, training=False, sampling=True,
                         block_size=self.block_size)
         logits = torch.zeros(2, self.model.config.vocab, dtype=self.model.dtype, device=self.device)
         ids = torch.zeros(2, dtype=torch.int64, device=self.device)

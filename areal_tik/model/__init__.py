@@ -10,6 +10,7 @@ torch ops (see ``ops.py``).
 Local model directories for runs without a hub (a tiny random model, SmolLM2 from its
 GGUF) are written by ``checkpoints.py`` (``areal-tik prepare-model``).
 """
+from .fused import fuse_projection_storage
 from .kv_cache import KVCache
 from .loading import (PUBLISHED_CONFIGS, TINY_FAMILIES, load_hf_model, published_config, random_model,
                       smollm2_path, tiny_config)
@@ -21,5 +22,5 @@ __all__ = [
     "UnifiedCausalLM", "KVCache", "ModelSpec", "detect_family", "SUPPORTED_FAMILIES",
     "get_ops", "missing_ops", "OP_NAMES", "KernelUnavailableError",
     "load_hf_model", "smollm2_path", "tiny_config", "published_config", "PUBLISHED_CONFIGS",
-    "random_model", "TINY_FAMILIES",
+    "random_model", "TINY_FAMILIES", "fuse_projection_storage",
 ]

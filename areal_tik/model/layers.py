@@ -13,7 +13,9 @@ The stack's final ``add_rms_norm`` with the model norm closes the last residual 
 
 Regime-specific attention is a callable ``attend(q [T, Hq, D], k [T, Hk, D], v) ->
 [T, Hq, D]`` (varlen, store + varlen, or store + paged decode); everything else is the
-same code in every regime.
+same code in every regime, except how the column projections are grouped (``proj``):
+training runs q/k/v and gate/up as separate linears (autograd needs each weight's
+gradient), rollout as one GEMM per group (``fused.py``: the same bits per column).
 
 The row-parallel projections (o_proj, down_proj) go through ``row_proj(x, module)``: on one
 device ``linear`` with the model's K-group tree (``row_parallel_proj``); on a
@@ -26,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from .fused import FusedProjections, SeparateProjections
 from .spec import ModelSpec
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,15 +49,20 @@ def row_parallel_proj(ops, k_groups: int) -> RowProj:
 
 def _head_norm(ops, norm, x, eps):
     # RMSNorm over head_dim (Qwen3 q_norm / k_norm): one row per (token, head).
-    return ops.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, eps).view(x.shape)
+    return ops.rms_norm(x, norm.weight, eps)  # x [T, heads, head_dim], a view of q|k|v when fused
 
 
-def attention_block(ops, spec: ModelSpec, attn, x, positions, cos, sin, attend: Attend, row_proj: RowProj):
+Projections = type[SeparateProjections] | type[FusedProjections]
+
+
+def attention_block(ops, spec: ModelSpec, attn, x, positions, cos, sin, attend: Attend, row_proj: RowProj,
+                    proj: Projections = SeparateProjections):
     """Self-attention of normed ``x [T, hidden]``; returns the o_proj output ``[T, hidden]``."""
     rows = x.shape[0]
-    q = _proj(ops, attn.q_proj, x).view(rows, spec.n_heads, spec.head_dim)
-    k = _proj(ops, attn.k_proj, x).view(rows, spec.n_kv_heads, spec.head_dim)
-    v = _proj(ops, attn.v_proj, x).view(rows, spec.n_kv_heads, spec.head_dim)
+    q, k, v = proj.qkv(ops, attn, x)  # [T, Hq*D], [T, Hk*D], [T, Hk*D]; views of one [T, N] when fused
+    q = q.view(rows, spec.n_heads, spec.head_dim)
+    k = k.view(rows, spec.n_kv_heads, spec.head_dim)
+    v = v.view(rows, spec.n_kv_heads, spec.head_dim)
     if spec.qk_norm:
         q = _head_norm(ops, attn.q_norm, q, spec.eps)
         k = _head_norm(ops, attn.k_norm, k, spec.eps)
@@ -63,22 +71,19 @@ def attention_block(ops, spec: ModelSpec, attn, x, positions, cos, sin, attend: 
     return row_proj(out.reshape(rows, spec.q_size), attn.o_proj)
 
 
-def mlp_block(ops, mlp, x, row_proj: RowProj):
-    """SwiGLU MLP. gate and up stay two linears over the separate HF weights (concatenating
-    the weights would copy them on every call); their outputs are concatenated into the
-    packed ``[T, 2I]`` input of ``silu_mul``: one activation copy, ~T*4I bytes, small next
-    to the weight reads at decode sizes and next to the matmuls at training sizes."""
-    gate_up = torch.cat([_proj(ops, mlp.gate_proj, x), _proj(ops, mlp.up_proj, x)], dim=-1)
-    return row_proj(ops.silu_mul(gate_up), mlp.down_proj)
+def mlp_block(ops, mlp, x, row_proj: RowProj, proj: Projections = SeparateProjections):
+    """SwiGLU MLP over the packed ``[T, 2I]`` gate | up that ``silu_mul`` takes: one GEMM
+    over the adjacent weights when fused, else two linears and one activation copy."""
+    return row_proj(ops.silu_mul(proj.gate_up(ops, mlp, x)), mlp.down_proj)
 
 
 def decoder_layer(ops, spec: ModelSpec, layer, delta, residual, positions, cos, sin, attend: Attend,
-                  row_proj: RowProj):
+                  row_proj: RowProj, proj: Projections = SeparateProjections):
     """One decoder layer: ``(delta, residual) -> (mlp_out, residual)``, HF semantics."""
     if delta is None:
         normed = ops.rms_norm(residual, layer.input_layernorm.weight, spec.eps)
     else:
         normed, residual = ops.add_rms_norm(delta, residual, layer.input_layernorm.weight, spec.eps)
-    attn_out = attention_block(ops, spec, layer.self_attn, normed, positions, cos, sin, attend, row_proj)
+    attn_out = attention_block(ops, spec, layer.self_attn, normed, positions, cos, sin, attend, row_proj, proj)
     normed, residual = ops.add_rms_norm(attn_out, residual, layer.post_attention_layernorm.weight, spec.eps)
-    return mlp_block(ops, layer.mlp, normed, row_proj), residual
+    return mlp_block(ops, layer.mlp, normed, row_proj, proj), residual

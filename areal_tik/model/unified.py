@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .fused import FusedProjections, SeparateProjections
 from .kv_cache import KVCache
 from .layers import decoder_layer, row_parallel_proj
 from .ops import get_ops
@@ -168,12 +169,12 @@ class UnifiedCausalLM:
             return self.tensor_parallel.row_proj(ops, self.k_groups)
         return row_parallel_proj(ops, self.k_groups)
 
-    def _layer_fn(self, layer, positions, cos, sin, attend):
+    def _layer_fn(self, layer, positions, cos, sin, attend, proj):
         ops, spec = self.ops, self.spec
         row_proj = self.row_proj(ops)
 
         def run(delta, residual):
-            return decoder_layer(ops, spec, layer, delta, residual, positions, cos, sin, attend, row_proj)
+            return decoder_layer(ops, spec, layer, delta, residual, positions, cos, sin, attend, row_proj, proj)
         return run
 
     def _checkpointing(self, layer) -> bool:
@@ -185,13 +186,16 @@ class UnifiedCausalLM:
     def _stack(self, input_ids, positions, attend_for: Callable[[int], Callable], hooked: bool):
         """Embedding gather and every layer; returns the last ``(mlp_out, residual)``.
 
-        ``hooked``: run each layer as its module's forward (training path, see module doc).
+        ``hooked``: run each layer as its module's forward (training path, see module doc),
+        with separate projections; otherwise (rollout) q/k/v and gate/up are fused where
+        their weights are adjacent (``fused.py``; same bits).
         """
         cos, sin = self.rope_tables(input_ids.device)
         residual = self._embed(input_ids)
         delta = None
+        proj = SeparateProjections if hooked else FusedProjections
         for index, layer in enumerate(self._base.layers):
-            run = self._layer_fn(layer, positions, cos, sin, attend_for(index))
+            run = self._layer_fn(layer, positions, cos, sin, attend_for(index), proj)
             if not hooked:
                 delta, residual = run(delta, residual)
                 continue

@@ -156,22 +156,31 @@ def _rms_norm_fwd_kernel(
     s_ptr,  # [n_rows, H] summed output x + residual; written only if HAS_RESIDUAL
     n_rows,
     eps,
+    stride_t,  # HEADS > 0: x's token stride (row r is head r % HEADS of token r // HEADS)
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     N_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    HEADS: tl.constexpr = 0,
 ):
     # Grid: one program per ROWS consecutive rows; rows are independent (rows past
     # n_rows are masked: they read zeros and store nothing). Reduction: see module doc.
+    # HEADS > 0 (the per-head form, no residual, one chunk): x is [T, HEADS, H] with unit
+    # head stride H and any token stride (q or k inside a fused q|k|v output); y is
+    # contiguous. Only the load address changes, never the rows' reduction.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_mask = (rows < n_rows)[:, None]
     cols = tl.arange(0, BLOCK)
     if N_CHUNKS == 1:
         offs = rows[:, None] * H + cols[None, :]
         mask = row_mask & (cols < H)[None, :]
-        x = _load_row_block(x_ptr, r_ptr, s_ptr, offs, mask, HAS_RESIDUAL, True, EMULATE_RNE)
+        if HEADS > 0:
+            x_offs = ((rows // HEADS) * stride_t + (rows % HEADS) * H)[:, None] + cols[None, :]
+            x = _load_row_block(x_ptr, r_ptr, s_ptr, x_offs, mask, False, False, EMULATE_RNE)
+        else:
+            x = _load_row_block(x_ptr, r_ptr, s_ptr, offs, mask, HAS_RESIDUAL, True, EMULATE_RNE)
         rstd = _rstd(tl.sum(x * x, axis=1), eps, H)
         _scale_store(x, rstd, w_ptr, y_ptr, cols, offs, mask, H, EMULATE_RNE)
     else:
@@ -253,6 +262,8 @@ def _forward(x, residual, weight, eps, config: NormConfig | None = None):
     """
     hidden = x.shape[-1]
     cfg = config or norm_config(hidden)
+    if x.dim() == 3 and residual is None and cfg.n_chunks == 1:
+        return _forward_heads(x, weight, eps, cfg), None
     x2 = _rows(x, hidden)
     r2 = _rows(residual, hidden) if residual is not None else x2
     w = weight if weight.is_contiguous() and weight.data_ptr() % 16 == 0 else _rows(weight, hidden)
@@ -260,13 +271,36 @@ def _forward(x, residual, weight, eps, config: NormConfig | None = None):
     s = torch.empty_like(x2) if residual is not None else y
     n_rows = x2.shape[0]
     _rms_norm_fwd_kernel[((n_rows + cfg.rows - 1) // cfg.rows,)](
-        x2, r2, w, y, s, n_rows, eps,
+        x2, r2, w, y, s, n_rows, eps, hidden,
         H=hidden, BLOCK=cfg.block, N_CHUNKS=cfg.n_chunks, ROWS=cfg.rows,
         HAS_RESIDUAL=residual is not None, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
     )
     if x2 is x:
         return y, (s if residual is not None else None)
     return y.view(x.shape), (s.view(x.shape) if residual is not None else None)
+
+
+def _forward_heads(x, weight, eps, cfg: NormConfig):
+    """The per-head form ``x [T, heads, H]`` read in place: q or k as a view of a fused
+    q|k|v output (token stride N) has the bits of the same heads contiguous (token stride
+    heads x H). Every 3-D call takes this kernel variant, so the rollout's views and the
+    training path's contiguous tensors compile to the same code: their token strides are
+    both multiples of 16 (Triton's divisibility specialisation), or the input is copied to
+    a contiguous, aligned tensor first."""
+    tokens, heads, hidden = x.shape
+    if not (x.stride(2) == 1 and x.stride(1) == hidden and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0):
+        width = -(-heads * hidden // 16) * 16  # a token stride that is a multiple of 16, aligned storage
+        buf = torch.empty((tokens, width), dtype=x.dtype, device=x.device)
+        x = buf[:, :heads * hidden].view(tokens, heads, hidden).copy_(x)
+    w = weight if weight.is_contiguous() and weight.data_ptr() % 16 == 0 else _rows(weight, hidden)
+    y = torch.empty((tokens, heads, hidden), dtype=x.dtype, device=x.device)
+    n_rows = tokens * heads
+    _rms_norm_fwd_kernel[((n_rows + cfg.rows - 1) // cfg.rows,)](
+        x, x, w, y, y, n_rows, eps, x.stride(0),
+        H=hidden, BLOCK=cfg.block, N_CHUNKS=1, ROWS=cfg.rows,
+        HAS_RESIDUAL=False, EMULATE_RNE=_EMULATE_RNE, HEADS=heads, num_warps=cfg.num_warps,
+    )
+    return y
 
 
 @functools.lru_cache(maxsize=None)

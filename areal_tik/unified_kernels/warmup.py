@@ -52,8 +52,9 @@ class WarmupShapes:
     (row-parallel projections; k_groups 1 is the plain entry); ``partials``: ``(N, K,
     k_groups)`` of each ``linear_partial`` a tensor-parallel rank runs on its K shard
     (fp32 output: other kernel keys); ``norms``: RMSNorm widths (hidden, and head_dim for
-    per-head q/k norms); ``intermediates``: SwiGLU widths I; ``heads``: (q heads, kv
-    heads, head_dim); ``lm_head``: (V, H)."""
+    per-head q/k norms' backward); ``intermediates``: SwiGLU widths I; ``heads``: (q heads, kv
+    heads, head_dim); ``lm_head``: (V, H); ``head_norms``: (heads, head_dim) of each
+    per-head norm's forward (Qwen3 q/k norm: the kernel variant keys on the head count)."""
     linears: tuple[tuple, ...]
     norms: tuple[int, ...]
     intermediates: tuple[int, ...]
@@ -61,6 +62,7 @@ class WarmupShapes:
     lm_head: tuple[int, int]
     dtype: torch.dtype = torch.bfloat16
     partials: tuple[tuple[int, int, int], ...] = ()
+    head_norms: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if self.dtype not in FLOAT_DTYPES:
@@ -69,6 +71,7 @@ class WarmupShapes:
             raise ValueError(f"linears are (N, K, has_bias[, k_groups]) and partials (N, K, k_groups), got {self}")
         ints = [v for entry in self.linears for v in entry[:2]] + [v for p in self.partials for v in p[:2]]
         ints += list(self.norms) + list(self.intermediates) + list(self.heads) + list(self.lm_head)
+        ints += [v for pair in self.head_norms for v in pair]
         if not self.linears or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in ints):
             raise ValueError(f"every shape must be a positive int (and linears non-empty), got {self}")
         for entry in self.linears:
@@ -109,9 +112,13 @@ def warm_linear(linears, max_rows: int, dtype, device, partials=()) -> list[Call
     return tasks
 
 
-def warm_norms(norms, dtype, device, training: bool) -> list[Callable]:
-    """RMSNorm with and without the residual add; backward with and without the residual grad."""
+def warm_norms(norms, dtype, device, training: bool, head_norms=()) -> list[Callable]:
+    """RMSNorm with and without the residual add; backward with and without the residual
+    grad; the per-head form's forward of each (heads, head_dim)."""
     tasks = []
+    for heads, d in dict.fromkeys(head_norms):
+        x = torch.zeros(2, heads, d, dtype=dtype, device=device)
+        tasks.append(functools.partial(_rms._forward, x, None, torch.ones(d, dtype=dtype, device=device), _EPS))
     for h in dict.fromkeys(norms):
         x, r, dy = (torch.zeros(2, h, dtype=dtype, device=device) for _ in range(3))
         w = torch.ones(h, dtype=dtype, device=device)
@@ -242,7 +249,7 @@ def warmup(shapes: WarmupShapes, max_rows: int, device, *, training: bool = True
     dtype = shapes.dtype
     tasks = {
         "linear": warm_linear(shapes.linears, max_rows, dtype, device, shapes.partials),
-        "rms_norm": warm_norms(shapes.norms, dtype, device, training),
+        "rms_norm": warm_norms(shapes.norms, dtype, device, training, shapes.head_norms),
         "swiglu": warm_swiglu(shapes.intermediates, dtype, device, training),
         "rope": warm_rope(shapes.heads, dtype, device, training),
         "logprob": warm_logprob(shapes.lm_head, dtype, device, training, sampling),
