@@ -27,6 +27,7 @@ skipped; no number is made up for it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -41,8 +42,10 @@ from eval.bench_rollout import PEAK_TBPS, PROMPT_LEN, make_prompts, weight_bytes
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b")
 MODES = ("default", "batch_invariant")
-COLUMNS = (("vllm", "vLLM"), ("vllm_bi", "vLLM batch-inv."), ("areal_tik", "areal-tik"))
+COLUMNS = (("vllm", "vLLM"), ("vllm_bi", "vLLM batch-inv."), ("areal_tik", "areal-tik"),
+           ("areal_tik_separate", "areal-tik separate"))
 LABEL = {"default": "vllm", "batch_invariant": "vllm_bi"}
+RATIO_NAME = {"areal_tik_separate": "separate"}
 # flashinfer is not carried (requirements/gpu-vllm.txt). vLLM 0.26's sampler imports it at
 # engine build unless its FlashInfer top-k/top-p sampler is switched off; that sampler serves
 # only top-k/top-p rows, so plain T = 1 sampling (this benchmark) takes the same path either way.
@@ -64,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: batch 1/16/64/256 x 256/1024 new tokens")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="vLLM modes to run")
     parser.add_argument("--no-engine", action="store_true", help="skip the areal-tik column")
+    parser.add_argument("--engine-separate", action="store_true",
+                        help="also run areal-tik with q/k/v and gate/up as separate linears (model/fused.py "
+                             "switched off): the fusion's before/after in the same run")
     parser.add_argument("--compare-shape", default="64x256", help="the shape whose log-probs are compared")
     parser.add_argument("--budget-s", type=float, default=100.0,
                         help="timed-run seconds per vLLM mode before it stops starting new shapes")
@@ -149,13 +155,24 @@ def run_vllm(mode: str, spec: dict, args, timeout_s: float | None = None) -> dic
     return result
 
 
-def run_engine(hf_model, shapes, prompts, compare_shape, seed: int = 0) -> dict:
-    """The areal-tik engine on the unified kernels, in the same result format as vLLM's."""
+def run_engine(hf_model, shapes, prompts, compare_shape, seed: int = 0, fused: bool = True) -> dict:
+    """The areal-tik engine on the unified kernels, in the same result format as vLLM's;
+    ``fused`` False: with q/k/v and gate/up as separate linears (the earlier rollout path)."""
+    from areal_tik.model import fused as fusion
+
+    saved, fusion.ENABLED = fusion.ENABLED, fused
+    try:
+        return _run_engine(hf_model, shapes, prompts, compare_shape, seed, "areal_tik" if fused else "areal_tik_separate")
+    finally:
+        fusion.ENABLED = saved
+
+
+def _run_engine(hf_model, shapes, prompts, compare_shape, seed: int, mode: str) -> dict:
     from areal_tik.engine import LLM, SamplingParams
     from areal_tik.model import UnifiedCausalLM
     from eval.bench_rollout import _timed, engine_config
 
-    result = {"mode": "areal_tik", "runs": [], "skipped": []}
+    result = {"mode": mode, "runs": [], "skipped": []}
     start = time.perf_counter()
     llm = LLM(UnifiedCausalLM.from_hf(hf_model, kernels="unified"), engine_config(shapes))
     result["startup_s"] = round(time.perf_counter() - start, 3)
@@ -169,7 +186,7 @@ def run_engine(hf_model, shapes, prompts, compare_shape, seed: int = 0) -> dict:
             outputs = []
             seconds = _timed(lambda: outputs.extend(llm.generate(prompts[:batch], params)))
             result["runs"].append({"batch": batch, "new_tokens": new, "seconds": round(seconds, 4)})
-            print(f"  areal-tik        batch {batch:3d} x {new} tokens: {seconds:.2f} s", flush=True)
+            print(f"  {mode:16s} batch {batch:3d} x {new} tokens: {seconds:.2f} s", flush=True)
             if (batch, new) == tuple(compare_shape):
                 result["sample"] = {"batch": batch, "new_tokens": new, "prompts": prompts[:batch],
                                     "token_ids": [o.token_ids for o in outputs],
@@ -227,10 +244,10 @@ def table(report: dict) -> list[str]:
         elif "error" in results[key]:
             lines.append(f"{name}: not available ({results[key]['error']}); column skipped")
     times = {key: by_shape(results[key]) for key, _ in present}
-    ratios = [k for k in ("vllm", "vllm_bi") if k in times and "areal_tik" in times]
+    ratios = [k for k in ("vllm", "vllm_bi", "areal_tik_separate") if k in times and "areal_tik" in times]
     read = report.get("read_bytes")
     lines.append(f"{'batch':>5} {'new':>5} " + " ".join(f"{name + ' tok/s':>22}" for _, name in present)
-                 + "".join(f" {'tik/' + k:>12}" for k in ratios)
+                 + "".join(f" {'tik/' + RATIO_NAME.get(k, k):>12}" for k in ratios)
                  + (f" {'bound ms/step':>14}" + "".join(f" {name + ' x bound':>22}" for _, name in present)
                     if read else ""))
     for batch, new in report["shapes"]:
@@ -317,6 +334,13 @@ def main(argv=None) -> None:
         report["results"][LABEL[mode]] = run_vllm(mode, spec, args, timeout)
     hf_model = load_hf_model(checkpoint, dtype=torch.bfloat16, device="cuda")
     report["read_bytes"] = read_bytes(json.loads((checkpoint / "config.json").read_text()), weight_bytes(hf_model))
+    if not args.no_engine and args.engine_separate:
+        # First, so the fused run (the headline) starts with the disk cache this one filled:
+        # compare the two on steady state, not start-up.
+        report["results"]["areal_tik_separate"] = run_engine(hf_model, args.shapes, prompts, args.compare_shape,
+                                                             fused=False)
+        gc.collect()
+        torch.cuda.empty_cache()
     if not args.no_engine:
         report["results"]["areal_tik"] = run_engine(hf_model, args.shapes, prompts, args.compare_shape)
     model = UnifiedCausalLM.from_hf(hf_model, kernels="unified")

@@ -51,7 +51,7 @@ run() {  # run NAME TIMEOUT CMD...
 }
 for s in $STAGES; do case $s in
   env) run env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"' ;;
-  tests) run tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/ --ignore=tests/test_linear_tree.py ;;
+  tests) run tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE ${GPU_TESTS:-tests/} --ignore=tests/test_linear_tree.py ;;  # GPU_TESTS: a subset
   bench_ops) run bench_linear 150 python3 -m eval.bench_linear --out "$W/csv"
              run bench_pointwise 90 python3 -m eval.bench_pointwise --out "$W/csv"
              run bench_logprob 60 python3 -m eval.bench_logprob --out "$W/csv" ;;

@@ -114,3 +114,19 @@ def test_table_reports_each_backend_against_the_bound(tmp_path, capsys):
     assert row1 == ["1", "256", "128", "256", "2.00", "1.000", "7.81", "3.91"]  # 2 s and 1 s vs 0.256 s
     rows = bench_vllm.csv_rows(report, {"device": "NVIDIA H200"})
     assert [r["value"] for r in rows if r["metric"] == "x_bytes_bound" and r["batch"] == 1] == [7.812, 3.906]
+
+
+def test_separate_projections_column_and_ratio(tmp_path, capsys):
+    report = fake_report()
+    report["results"]["areal_tik_separate"] = {
+        "mode": "areal_tik_separate", "startup_s": 25.0, "warmup_s": 9.0, "skipped": [],
+        "runs": [{"batch": 1, "new_tokens": 256, "seconds": 1.5}, {"batch": 64, "new_tokens": 256, "seconds": 3.0}]}
+    path = tmp_path / "bench_vllm.json"
+    path.write_text(json.dumps(report))
+    bench_vllm.main(["--from-json", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["batch", "new"])
+    assert "tik/separate" in header
+    row1 = next(line for line in lines if line.split()[:2] == ["1", "256"]).split()
+    assert row1[-1] == "1.50"  # separate 1.5 s over fused 1.0 s
+    assert bench_vllm.parse_args(["--engine-separate"]).engine_separate
