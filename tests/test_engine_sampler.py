@@ -52,6 +52,25 @@ def test_sampler_noise_is_row_local_and_keyed():
     assert not torch.equal(u, sampler.uniform_noise(keys, counters + 1, 300))
 
 
+def test_sampler_kernel_splits_do_not_change_the_token(monkeypatch):
+    # The vocabulary is split over programs (sampler.gumbel_splits); the combine takes the
+    # first split holding the maximum: one split or one per chunk, the same first maximal
+    # index, also for ties placed in different splits and for a row with nothing allowed.
+    g = torch.Generator().manual_seed(4)
+    vocab = 5 * 2048 - 7
+    logits = torch.randn(3, vocab, generator=g).bfloat16()
+    logits[1] = float("-inf")
+    logits[1, [2100, 4200, 8300]] = float("inf")  # +inf ties in splits 1, 2 and 4: the first wins
+    logits[2] = float("-inf")  # nothing allowed: index 0, as the torch argmax gives
+    keys, counters = torch.tensor([3, 4, 5]), torch.tensor([0, 1, 2])
+    plain = sampler.gumbel_argmax(logits, keys, counters, 1.0, use_kernel=False)
+    assert plain.tolist()[1:] == [2100, 0]
+    for target, splits in ((1, 1), (3 * 5, 5), (6, 2)):
+        monkeypatch.setattr(sampler, "_TARGET_PROGRAMS", target)
+        assert sampler.gumbel_splits(3, vocab)[1] == splits
+        assert torch.equal(sampler.gumbel_argmax(logits, keys, counters, 1.0, use_kernel=True), plain), splits
+
+
 def test_sampler_kernel_matches_the_torch_formulation():
     # The fused Triton kernel (GPU path; here interpreted) and the torch ops (CPU path)
     # hash the same noise: same tokens, over several BLOCK_V chunks, with filtered entries.

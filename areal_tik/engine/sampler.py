@@ -126,32 +126,40 @@ def _exponential(n):
 
 # keys/counters arrive as rows of one [2, B] int64 tensor: the second row is 16-byte aligned
 # only for even B, so their alignment is not part of the kernel key (scalar loads: no cost).
-# col0 (a vocabulary shard's first column) is data too: one variant serves every shard.
-@triton.jit(do_not_specialize=["keys_ptr", "counters_ptr", "col0"])
+# col0 (a vocabulary shard's first column) is data too: one variant serves every shard, and
+# so are the split width and count (one variant for every batch size).
+@triton.jit(do_not_specialize=["keys_ptr", "counters_ptr", "col0", "span", "n_splits"])
 def _gumbel_argmax_kernel(
     scores_ptr,    # [B, V] bf16 logits or fp32 pre-scaled scores (-inf = filtered out)
     keys_ptr,      # [B] int64 request keys
     counters_ptr,  # [B] int64 output index of the token being drawn
-    out_ptr,       # [B] int64 sampled token (column index + col0)
-    best_ptr,      # [B] fp32 the winning noisy score
+    out_ptr,       # [B, n_splits] int64 each split's candidate (column index + col0)
+    best_ptr,      # [B, n_splits] fp32 its noisy score
     V, stride_row, temperature, col0,
+    span,          # columns per split, a multiple of BLOCK_V
+    n_splits,
     BLOCK_V: tl.constexpr,
 ):
-    # Grid: one program per row. The row is walked in BLOCK_V chunks from index 0; the
-    # running best only moves on a strictly larger value, so ties keep the lowest index.
+    # Grid: (rows, splits). Split s walks columns [s * span, (s + 1) * span) in BLOCK_V
+    # chunks (the chunks of the whole row: span is a multiple of BLOCK_V); the running best
+    # only moves on a strictly larger value, so ties keep the lowest index. The combine
+    # kernel takes the first split holding the maximum: the first maximal index of the row.
     # Column c of the scores is vocabulary index col0 + c (its noise is that index's).
     row = tl.program_id(0)
+    split = tl.program_id(1)
     key = tl.load(keys_ptr + row)
     counter = tl.load(counters_ptr + row)
     k_lo = (key & 0xFFFFFFFF).to(tl.uint32)
     k_hi = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     rkey = _mix32(k_lo ^ _mix32(k_hi ^ _mix32((counter & 0xFFFFFFFF).to(tl.uint32))))
     base = scores_ptr + row.to(tl.int64) * stride_row
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
     best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int64)
-    for start in range(0, V, BLOCK_V):
+    best_idx = lo.to(tl.int64)
+    for start in range(lo, hi, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        ok = cols < V
+        ok = cols < hi
         x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32)
         z = tl.math.div_rn(x, temperature)  # IEEE division: equals torch's logits.float() / T
         n = (_mix32(rkey + (cols + col0).to(tl.uint32) * 0x9E3779B9) >> 9).to(tl.float32)
@@ -161,8 +169,39 @@ def _gumbel_argmax_kernel(
         better = chunk_best > best
         best_idx = tl.where(better, chunk_idx, best_idx)
         best = tl.where(better, chunk_best, best)
-    tl.store(out_ptr + row, best_idx + col0)
-    tl.store(best_ptr + row, best)
+    slot = row.to(tl.int64) * n_splits + split
+    tl.store(out_ptr + slot, best_idx + col0)
+    tl.store(best_ptr + slot, best)
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def _gumbel_combine_kernel(part_idx_ptr, part_best_ptr, out_ptr, best_ptr, n_splits, MAX_SPLITS: tl.constexpr):
+    # One program per row: the first split (in column order) whose best is the row's maximum.
+    row = tl.program_id(0)
+    offs = tl.arange(0, MAX_SPLITS)
+    ok = offs < n_splits
+    base = row.to(tl.int64) * n_splits
+    best = tl.load(part_best_ptr + base + offs, mask=ok, other=float("-inf"))
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(ok & (best == top), offs, MAX_SPLITS), axis=0)
+    first = tl.minimum(first, n_splits - 1)  # NaN rows: no split equals the max; take the last
+    tl.store(out_ptr + row, tl.load(part_idx_ptr + base + first))
+    tl.store(best_ptr + row, tl.load(part_best_ptr + base + first))
+
+
+_BLOCK_V = 2048
+_MAX_SPLITS = 128  # splits of one row (a fixed constexpr: one combine variant for every batch)
+_TARGET_PROGRAMS = 528  # ~4 per H200 SM: one program per row left 64 rows on 132 SMs (125 us a step)
+
+
+def gumbel_splits(rows: int, vocab: int) -> tuple[int, int]:
+    """(columns per split, number of splits) of a ``[rows, vocab]`` draw: enough programs
+    to fill the GPU at any batch size, whole BLOCK_V chunks per split. A function of the
+    shape only; the token does not depend on it (the first maximal index either way)."""
+    chunks = triton.cdiv(vocab, _BLOCK_V)
+    splits = max(1, min(chunks, _MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, rows)))
+    span = triton.cdiv(chunks, splits) * _BLOCK_V
+    return span, triton.cdiv(vocab, span)
 
 
 def _noisy_scores(scores, keys, counters, temperature, col0=0):
@@ -193,11 +232,16 @@ def gumbel_candidates(scores, keys, counters, temperature: float = 1.0, col0: in
         index = total.argmax(dim=-1)  # the first maximal index
         return total.gather(1, index[:, None])[:, 0], index + col0
     scores = scores.contiguous()
-    out = torch.empty(scores.shape[0], dtype=torch.int64, device=scores.device)
-    best = torch.empty(scores.shape[0], dtype=torch.float32, device=scores.device)
-    _gumbel_argmax_kernel[(scores.shape[0],)](
-        scores, keys, counters, out, best, scores.shape[-1], scores.stride(0), float(temperature),
-        int(col0), BLOCK_V=2048, num_warps=8)
+    rows, vocab = scores.shape
+    span, splits = gumbel_splits(rows, vocab)
+    part_idx = torch.empty((rows, splits), dtype=torch.int64, device=scores.device)
+    part_best = torch.empty((rows, splits), dtype=torch.float32, device=scores.device)
+    _gumbel_argmax_kernel[(rows, splits)](
+        scores, keys, counters, part_idx, part_best, vocab, scores.stride(0), float(temperature),
+        int(col0), span, splits, BLOCK_V=_BLOCK_V, num_warps=8)
+    out = torch.empty(rows, dtype=torch.int64, device=scores.device)
+    best = torch.empty(rows, dtype=torch.float32, device=scores.device)
+    _gumbel_combine_kernel[(rows,)](part_idx, part_best, out, best, splits, MAX_SPLITS=_MAX_SPLITS, num_warps=1)
     return best, out
 
 
