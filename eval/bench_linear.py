@@ -2,7 +2,7 @@
 
 Usage (GPU, repo root):
     python3 -m eval.bench_linear [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
-    python3 -m eval.bench_linear --k-groups 8 [--out DIR_OR_CSV]   # the K-group tree's cost
+    python3 -m eval.bench_linear --k-groups 2 4 8 [--out DIR_OR_CSV]   # the K-group tree's cost
 
 Times both implementations on the linear shapes of Qwen3-0.6B, Qwen3-1.7B and
 Llama-3.2-1B at 1..16384 tokens, prints the speed ratio (cuBLAS time / ours: >1 means
@@ -18,11 +18,13 @@ Python/launch cost leak into small-M numbers (the first run saw our M=1 time jum
 Longer calls use ``triton.testing.do_bench`` (L2 cleared before every call), as does
 ``--timer events`` for everything.
 
-``--k-groups G`` times only the K-group tree (tensor-parallel row shards): ``linear``
+``--k-groups G [G ...]`` times only the K-group tree (tensor-parallel row shards): ``linear``
 with k_groups = G vs 1 on the o_proj / down_proj shapes at 1, 64 and 4096 rows (the
-table's configs), i.e. what the tree costs a TP = 1 trainer, and one rank's
-``linear_partial`` of two ranks (K / 2 columns, G / 2 groups) beside them; it first checks
-that the two ranks' ``combine_partials`` equals the full kernel bit for bit.
+table's configs), i.e. what the tree costs a TP = 1 trainer; where the table's tile
+cannot hold the tree's log2(G) + 1 fp32 tiles in registers, the smaller tile of
+``tree_tile`` (same BLOCK_K, same bits) beside it; and one rank's ``linear_partial`` of
+two ranks (K / 2 columns, G / 2 groups). It first checks that the
+two ranks' ``combine_partials`` and the smaller tile equal the full kernel bit for bit.
 
 ``--sweep`` also times every invariance-proven tile geometry (``linear.linear_candidates``,
 both kernels) per token count on a few shapes, skipping geometries that cannot be
@@ -33,6 +35,7 @@ to re-tune ``linear._GPU_BUCKETS``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import math
 import statistics
@@ -148,33 +151,58 @@ def bench_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> list[dict]:
     return rows
 
 
-def bench_tree(k_groups: int, rep_ms, timer, info) -> list[dict]:
-    """linear with ``k_groups`` vs 1 (table configs), and one rank's partial of two ranks."""
+def tree_tile(cfg, k_groups: int):
+    """The table's tile, or a smaller one with the same BLOCK_K (the same bits) whose
+    log2(G) + 1 live fp32 tiles fit the registers: ptxas (sm_90a) spilled above about 192
+    accumulator registers a thread (``_linear_chain``'s comment): 256x128/w8 -> 128x128
+    at G = 2, 4 and 128x64 at G = 8, with 4 stages (the smaller tile's shared memory)."""
+    live, bm, bn = k_groups.bit_length(), cfg.block_m, cfg.block_n  # bit_length: log2(G) + 1
+    while live * bm * bn // (32 * cfg.num_warps) > 192 and (bm > 128 or bn > 64):
+        bm, bn = (bm // 2, bn) if bm > 128 else (bm, bn // 2)
+    if (bm, bn) == (cfg.block_m, cfg.block_n):
+        return cfg
+    return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_stages=max(cfg.num_stages, 4), split_epilogue=False)
+
+
+def bench_tree(groups: tuple[int, ...], rep_ms, timer, info) -> list[dict]:
+    """linear with each of ``groups`` vs 1 (table configs; and the smaller tile of
+    ``tree_tile`` where it differs), and one rank's partial of two ranks."""
     rows = []
     for model, layer, k, n in TREE_SHAPES:
         half = k // 2
         for m in TREE_TOKENS:
-            x, w = inputs(m, k, n)
-            shards = [(x[:, r * half:(r + 1) * half].contiguous(), w[:, r * half:(r + 1) * half].contiguous())
-                      for r in range(2)]
-            ranks = combine_partials([linear_partial(xs, ws, k_groups=k_groups // 2) for xs, ws in shards],
-                                     None, x.dtype)
-            assert bitwise_equal(ranks, linear(x, w, k_groups=k_groups)), f"{model}/{layer} M={m}: 2 ranks != full"
-            del x, w, shards, ranks
-            timed = {
-                "unified_g1": measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer),
-                f"unified_g{k_groups}": measure(lambda x, w: lambda: linear(x, w, k_groups=k_groups),
-                                                m, k, n, rep_ms, timer),
-                f"rank_partial_t2_g{k_groups // 2}": measure(
+            cfg = L.linear_config(m, n, k, torch.bfloat16)
+            plain = measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer)
+            rows.append(_row(model, layer, k, n, m, "unified_g1", plain, info, cfg_name(cfg)))
+            for k_groups in groups:
+                small = tree_tile(cfg, k_groups)
+                x, w = inputs(m, k, n)
+                shards = [(x[:, r * half:(r + 1) * half].contiguous(), w[:, r * half:(r + 1) * half].contiguous())
+                          for r in range(2)]
+                full = linear(x, w, k_groups=k_groups)
+                ranks = combine_partials([linear_partial(xs, ws, k_groups=k_groups // 2) for xs, ws in shards],
+                                         None, x.dtype)
+                assert bitwise_equal(ranks, full), f"{model}/{layer} M={m} G={k_groups}: 2 ranks != full"
+                assert bitwise_equal(L.linear_forward(x, w, None, config=small, k_groups=k_groups), full), \
+                    f"{model}/{layer} M={m} G={k_groups}: {cfg_name(small)} != {cfg_name(cfg)}"
+                del x, w, shards, ranks, full
+                timed = {f"unified_g{k_groups}": (measure(lambda x, w: lambda: linear(x, w, k_groups=k_groups),
+                                                          m, k, n, rep_ms, timer), cfg)}
+                if small != cfg:
+                    timed[f"unified_g{k_groups}_small_tile"] = (measure(
+                        lambda x, w: lambda: L.linear_forward(x, w, None, config=small, k_groups=k_groups),
+                        m, k, n, rep_ms, timer), small)
+                timed[f"rank_partial_t2_g{k_groups // 2}"] = (measure(  # a rank of two: K / 2, G / 2 groups
                     lambda x, w: lambda: linear_partial(x, w, k_groups=k_groups // 2), m, half, n, rep_ms, timer),
-            }
-            plain, tree, part = (timed[key]["us"] for key in timed)
-            cfg = cfg_name(L.linear_config(m, n, k, torch.bfloat16))
-            print(f"{model:>13} {layer:>5} K={k:<5} N={n:<5} M={m:<5} G=1 {plain:8.1f} us  G={k_groups} "
-                  f"{tree:8.1f} us ({tree / plain:4.2f}x)  rank partial (K/2, G/2) {part:8.1f} us  {cfg}",
-                  flush=True)
-            for impl, res in timed.items():
-                rows.append(_row(model, layer, k if impl.startswith("unified") else half, n, m, impl, res, info, cfg))
+                    L.linear_config(m, n, half, torch.bfloat16))
+                tree = timed[f"unified_g{k_groups}"][0]["us"]
+                extra = "".join(f"  {impl.removeprefix('unified_')} {res['us']:8.1f} us ({cfg_name(c)})"
+                                for impl, (res, c) in timed.items() if impl != f"unified_g{k_groups}")
+                print(f"{model:>13} {layer:>5} K={k:<5} N={n:<5} M={m:<5} G=1 {plain['us']:8.1f} us  G={k_groups} "
+                      f"{tree:8.1f} us ({tree / plain['us']:4.2f}x)  {cfg_name(cfg)}{extra}", flush=True)
+                for impl, (res, c) in timed.items():
+                    rows.append(_row(model, layer, half if impl.startswith("rank") else k, n, m, impl, res, info,
+                                     cfg_name(c)))
     return rows
 
 
@@ -243,8 +271,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="graph: CUDA-graph replay for calls < 200 us (default); events: do_bench")
     parser.add_argument("--rep-ms", type=int, default=40, help="timing budget per case")
-    parser.add_argument("--k-groups", type=int, choices=(2, 4, 8), default=None,
-                        help="only time the K-group tree: k_groups = G vs 1 on o_proj / down_proj shapes")
+    parser.add_argument("--k-groups", type=int, nargs="+", choices=(2, 4, 8), default=None, metavar="G",
+                        help="only time the K-group tree: k_groups = G (one or more of 2 4 8) vs 1 on "
+                             "o_proj / down_proj shapes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear needs a CUDA GPU")
@@ -252,7 +281,7 @@ def main(argv=None) -> None:
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}  "
           f"fixed tile: {L.FIXED_TILE}  timer: {args.timer}")
     if args.k_groups is not None:
-        rows = bench_tree(args.k_groups, args.rep_ms, args.timer, info)
+        rows = bench_tree(tuple(dict.fromkeys(args.k_groups)), args.rep_ms, args.timer, info)
         print(f"wrote {write_csv(rows, args.out, 'bench_linear_tree.csv')} ({len(rows)} rows) "
               f"in {time.time() - start:.0f} s")
         return
