@@ -23,8 +23,9 @@ with k_groups = G vs 1 on the o_proj / down_proj shapes at 1, 64 and 4096 rows (
 table's configs), i.e. what the tree costs a TP = 1 trainer; where the table's tile
 cannot hold the tree's log2(G) + 1 fp32 tiles in registers, the smaller tile of
 ``tree_tile`` (same BLOCK_K, same bits) beside it; and one rank's ``linear_partial`` of
-two ranks (K / 2 columns, G / 2 groups). It first checks that the
-two ranks' ``combine_partials`` and the smaller tile equal the full kernel bit for bit.
+two ranks (K / 2 columns, G / 2 groups). It first checks that ``combine_partials`` over two
+ranks and over G ranks (one group each: the plain G = 1 chain, the tree's definition) and
+the smaller tile equal the full kernel bit for bit.
 
 ``--sweep`` also times every invariance-proven tile geometry (``linear.linear_candidates``,
 both kernels) per token count on a few shapes, skipping geometries that cannot be
@@ -177,15 +178,16 @@ def bench_tree(groups: tuple[int, ...], rep_ms, timer, info) -> list[dict]:
             for k_groups in groups:
                 small = tree_tile(cfg, k_groups)
                 x, w = inputs(m, k, n)
-                shards = [(x[:, r * half:(r + 1) * half].contiguous(), w[:, r * half:(r + 1) * half].contiguous())
-                          for r in range(2)]
                 full = linear(x, w, k_groups=k_groups)
-                ranks = combine_partials([linear_partial(xs, ws, k_groups=k_groups // 2) for xs, ws in shards],
-                                         None, x.dtype)
-                assert bitwise_equal(ranks, full), f"{model}/{layer} M={m} G={k_groups}: 2 ranks != full"
+                for t in (2, k_groups):  # t = G: one group a rank, each the plain G = 1 chain (the definition)
+                    width = k // t
+                    ranks = combine_partials([linear_partial(x[:, r * width:(r + 1) * width].contiguous(),
+                                                             w[:, r * width:(r + 1) * width].contiguous(),
+                                                             k_groups=k_groups // t) for r in range(t)], None, x.dtype)
+                    assert bitwise_equal(ranks, full), f"{model}/{layer} M={m} G={k_groups}: {t} ranks != full"
                 assert bitwise_equal(L.linear_forward(x, w, None, config=small, k_groups=k_groups), full), \
                     f"{model}/{layer} M={m} G={k_groups}: {cfg_name(small)} != {cfg_name(cfg)}"
-                del x, w, shards, ranks, full
+                del x, w, ranks, full
                 timed = {f"unified_g{k_groups}": (measure(lambda x, w: lambda: linear(x, w, k_groups=k_groups),
                                                           m, k, n, rep_ms, timer), cfg)}
                 if small != cfg:

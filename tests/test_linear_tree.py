@@ -275,8 +275,10 @@ def test_gpu_every_config_and_both_kernels_equal_with_the_tree(k, n, k_groups, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", TP_SHAPES)
 def test_gpu_shards_and_rows_equal_the_full_tree(k, n):
-    """combine_partials over t = 2 and 4 ranks (each a contiguous K / t copy) == the full
-    kernel with the same G; every row count gives each row the bits it has alone."""
+    """combine_partials over t = 2, 4 and 8 ranks (each a contiguous K / t copy) == the full
+    kernel with the same G; t = G gives each rank one group, i.e. the plain G = 1 chain,
+    so the one-loop tree is checked against the definition built from it. Every row
+    count gives each row the bits it has alone."""
     x, w, b = _gpu_problem(max(TP_ROWS), k, n, seed=40)
     for k_groups in (2, 4, 8):
         full = linear(x, w, b, k_groups=k_groups)
@@ -286,7 +288,7 @@ def test_gpu_shards_and_rows_equal_the_full_tree(k, n):
             assert_bitwise(linear(x[:m], w, b, k_groups=k_groups), full[:m], f"G={k_groups} first {m} rows")
             assert_bitwise(linear(x[m - 1:m], w, b, k_groups=k_groups), full[m - 1:m], f"G={k_groups} row {m - 1}")
             assert_bitwise(linear_partial(x[:m], w, k_groups=k_groups), full_partial[:m], f"partial, {m} rows")
-            for t in (2, 4):
+            for t in (2, 4, 8):
                 if k_groups % t == 0:
                     got = combine_partials(_shards(x[:m], w, t, k_groups), b, x.dtype)
                     assert_bitwise(got, full[:m], f"G={k_groups} over {t} ranks, {m} rows")
