@@ -44,7 +44,7 @@ def _load_block(x_ptrs, w_ptrs, offs_m, offs_k, M, k_left, EVEN_K: tl.constexpr,
 # condition, an scf.if) the group is closed into the live partial sums like a binary
 # counter (_close_group) and `acc` restarts from the zero tile; after the loop the last
 # group's chain is merged with what is left (_finish_tree). These are the tree's adds, each
-# left + right, so the bits are the tree's (tests/test_linear_tree.py: per-group chains
+# left + right, so the bits are the tree's (tests/test_linear_tree*.py: per-group chains
 # and the tree on the host). At most log2(G) + 1 tiles are live: acc and p0, p1, p2 (G = 8).
 # Why one loop: the earlier version ran every group as its own loop, each pipelined on
 # its own; at K = 2048, G = 8 a group has 4 blocks, so a num_stages = 20 decode config
