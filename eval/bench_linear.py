@@ -20,12 +20,13 @@ Longer calls use ``triton.testing.do_bench`` (L2 cleared before every call), as 
 
 ``--k-groups G [G ...]`` times only the K-group tree (tensor-parallel row shards): ``linear``
 with k_groups = G vs 1 on the o_proj / down_proj shapes at 1, 64 and 4096 rows (the
-table's configs), i.e. what the tree costs a TP = 1 trainer; where the table's tile
-cannot hold the tree's log2(G) + 1 fp32 tiles in registers, the smaller tile of
-``tree_tile`` (same BLOCK_K, same bits) beside it; and one rank's ``linear_partial`` of
-two ranks (K / 2 columns, G / 2 groups). It first checks that ``combine_partials`` over two
-ranks and over G ranks (one group each: the plain G = 1 chain, the tree's definition) and
-the smaller tile equal the full kernel bit for bit.
+default configs), i.e. what the tree costs a TP = 1 trainer; where the table's tile
+cannot hold the tree's log2(G) + 1 fp32 tiles in registers, G > 1 runs the smaller tile
+of ``linear.tree_tile`` (same BLOCK_K, same bits) and the table's tile is timed beside
+it; and one rank's ``linear_partial`` of two ranks (K / 2 columns, G / 2 groups). It
+first checks that ``combine_partials`` over two ranks and over G ranks (one group each:
+the plain G = 1 chain, the tree's definition) and the table's tile equal the default
+kernel bit for bit.
 
 ``--sweep`` also times every invariance-proven tile geometry (``linear.linear_candidates``,
 both kernels) per token count on a few shapes, skipping geometries that cannot be
@@ -36,7 +37,6 @@ to re-tune ``linear._GPU_BUCKETS``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import math
 import statistics
@@ -152,22 +152,10 @@ def bench_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> list[dict]:
     return rows
 
 
-def tree_tile(cfg, k_groups: int):
-    """The table's tile, or a smaller one with the same BLOCK_K (the same bits) whose
-    log2(G) + 1 live fp32 tiles fit the registers: ptxas (sm_90a) spilled above about 192
-    accumulator registers a thread (``_linear_chain``'s comment): 256x128/w8 -> 128x128
-    at G = 2, 4 and 128x64 at G = 8, with 4 stages (the smaller tile's shared memory)."""
-    live, bm, bn = k_groups.bit_length(), cfg.block_m, cfg.block_n  # bit_length: log2(G) + 1
-    while live * bm * bn // (32 * cfg.num_warps) > 192 and (bm > 128 or bn > 64):
-        bm, bn = (bm // 2, bn) if bm > 128 else (bm, bn // 2)
-    if (bm, bn) == (cfg.block_m, cfg.block_n):
-        return cfg
-    return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_stages=max(cfg.num_stages, 4), split_epilogue=False)
-
-
 def bench_tree(groups: tuple[int, ...], rep_ms, timer, info) -> list[dict]:
-    """linear with each of ``groups`` vs 1 (table configs; and the smaller tile of
-    ``tree_tile`` where it differs), and one rank's partial of two ranks."""
+    """linear with each of ``groups`` vs 1 (its default configs: for G > 1 the table's tile
+    or the smaller one of ``linear.tree_tile``, and then the table's tile beside it), and
+    one rank's partial of two ranks."""
     rows = []
     for model, layer, k, n in TREE_SHAPES:
         half = k // 2
@@ -176,7 +164,7 @@ def bench_tree(groups: tuple[int, ...], rep_ms, timer, info) -> list[dict]:
             plain = measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer)
             rows.append(_row(model, layer, k, n, m, "unified_g1", plain, info, cfg_name(cfg)))
             for k_groups in groups:
-                small = tree_tile(cfg, k_groups)
+                tree_cfg = L.linear_config(m, n, k, torch.bfloat16, k_groups=k_groups)
                 x, w = inputs(m, k, n)
                 full = linear(x, w, k_groups=k_groups)
                 for t in (2, k_groups):  # t = G: one group a rank, each the plain G = 1 chain (the definition)
@@ -185,23 +173,24 @@ def bench_tree(groups: tuple[int, ...], rep_ms, timer, info) -> list[dict]:
                                                              w[:, r * width:(r + 1) * width].contiguous(),
                                                              k_groups=k_groups // t) for r in range(t)], None, x.dtype)
                     assert bitwise_equal(ranks, full), f"{model}/{layer} M={m} G={k_groups}: {t} ranks != full"
-                assert bitwise_equal(L.linear_forward(x, w, None, config=small, k_groups=k_groups), full), \
-                    f"{model}/{layer} M={m} G={k_groups}: {cfg_name(small)} != {cfg_name(cfg)}"
+                assert bitwise_equal(L.linear_forward(x, w, None, config=cfg, k_groups=k_groups), full), \
+                    f"{model}/{layer} M={m} G={k_groups}: {cfg_name(cfg)} != {cfg_name(tree_cfg)}"
                 del x, w, ranks, full
                 timed = {f"unified_g{k_groups}": (measure(lambda x, w: lambda: linear(x, w, k_groups=k_groups),
-                                                          m, k, n, rep_ms, timer), cfg)}
-                if small != cfg:
-                    timed[f"unified_g{k_groups}_small_tile"] = (measure(
-                        lambda x, w: lambda: L.linear_forward(x, w, None, config=small, k_groups=k_groups),
-                        m, k, n, rep_ms, timer), small)
+                                                          m, k, n, rep_ms, timer), tree_cfg)}
+                if tree_cfg != cfg:
+                    timed[f"unified_g{k_groups}_table_tile"] = (measure(
+                        lambda x, w: lambda: L.linear_forward(x, w, None, config=cfg, k_groups=k_groups),
+                        m, k, n, rep_ms, timer), cfg)
                 timed[f"rank_partial_t2_g{k_groups // 2}"] = (measure(  # a rank of two: K / 2, G / 2 groups
                     lambda x, w: lambda: linear_partial(x, w, k_groups=k_groups // 2), m, half, n, rep_ms, timer),
-                    L.linear_config(m, n, half, torch.bfloat16))
+                    L.linear_config(m, n, half, torch.bfloat16, k_groups=k_groups // 2))
                 tree = timed[f"unified_g{k_groups}"][0]["us"]
                 extra = "".join(f"  {impl.removeprefix('unified_')} {res['us']:8.1f} us ({cfg_name(c)})"
                                 for impl, (res, c) in timed.items() if impl != f"unified_g{k_groups}")
-                print(f"{model:>13} {layer:>5} K={k:<5} N={n:<5} M={m:<5} G=1 {plain['us']:8.1f} us  G={k_groups} "
-                      f"{tree:8.1f} us ({tree / plain['us']:4.2f}x)  {cfg_name(cfg)}{extra}", flush=True)
+                print(f"{model:>13} {layer:>5} K={k:<5} N={n:<5} M={m:<5} G=1 {plain['us']:8.1f} us "
+                      f"({cfg_name(cfg)})  G={k_groups} {tree:8.1f} us ({tree / plain['us']:4.2f}x, "
+                      f"{cfg_name(tree_cfg)}){extra}", flush=True)
                 for impl, (res, c) in timed.items():
                     rows.append(_row(model, layer, half if impl.startswith("rank") else k, n, m, impl, res, info,
                                      cfg_name(c)))

@@ -6,7 +6,8 @@ the host: each group's fp32 chain from zero (``_chain``, block by block), the gr
 combined by ``_ktree.tree_sum``; for group widths that put a close at every block, whole
 blocks, a masked last block, and a group narrower than one block; rows masked (fewer rows
 than the tile) and whole tiles; every config, the persistent kernel where each group is
-whole blocks (with several tiles per program), and the unrounded fp32 partials.
+whole blocks (with several tiles per program), and the unrounded fp32 partials. And the
+tile G > 1 takes where the table's would spill its accumulators (``tree_tile``).
 """
 import importlib
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from areal_tik.unified_kernels._ktree import tree_sum
+from areal_tik.unified_kernels._linear_tiles import _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED, _cfg, tree_tile
 from tests._bits import assert_bitwise
 from tests.test_linear import _count_persistent_launches
 from tests.test_linear_tree import _chain, _problem
@@ -67,3 +69,26 @@ def test_negative_control_a_group_closed_one_block_late_changes_bits():
     assert_bitwise(got, _host_tree(x, w, 4), "G=4")
     with pytest.raises(AssertionError, match="differ in bits"):
         assert_bitwise(got, shifted, "closed late")
+
+
+def test_tree_tile_keeps_the_bits_and_fits_the_accumulators():
+    """For G > 1 the GPU table's tiles shrink until log2(G) + 1 fp32 tiles take <= 192
+    registers a thread (or 64x64); BLOCK_K, warps, kernel and wgmma eligibility stay (the
+    bits: the GPU contract test runs both); G = 1 is the table's tile itself."""
+    configs = {cfg for table in _GPU_BUCKETS.values() for _, ladder in table for cfg, _, _ in ladder}
+    configs |= set(_GPU_FIXED.values()) | {cfg for extra in _GPU_CANDIDATES.values() for cfg in extra}
+    for cfg in configs:
+        assert tree_tile(cfg, 1) is cfg
+        for k_groups in (2, 4, 8):
+            tile = tree_tile(cfg, k_groups)
+            kept = (tile.block_k, tile.num_warps, tile.persistent, tile.group_m)
+            assert kept == (cfg.block_k, cfg.num_warps, cfg.persistent, cfg.group_m), (cfg, k_groups)
+            smaller = tile.block_m <= cfg.block_m and tile.block_n <= cfg.block_n
+            assert tile == cfg or (tile.block_m % 64 == 0 and smaller)
+            regs = k_groups.bit_length() * tile.block_m * tile.block_n // (32 * tile.num_warps)
+            assert regs <= 192 or (tile.block_m, tile.block_n) == (64, 64), (cfg, k_groups, tile)
+            assert tile == cfg or tile.num_stages >= 4
+    big = _cfg(256, 128, 8, 3, "P")  # > 1024 rows on the H200
+    assert [tree_tile(big, g) for g in (2, 4, 8)] == [_cfg(128, 128, 8, 4, "P")] * 2 + [_cfg(128, 64, 8, 4, "P")]
+    assert tree_tile(_cfg(64, 16, 4, 20), 8) == _cfg(64, 16, 4, 20)  # decode: 8 registers a tile
+    assert tree_tile(_cfg(64, 128, 4, 8), 8) == _cfg(64, 64, 4, 8)

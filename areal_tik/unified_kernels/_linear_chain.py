@@ -58,8 +58,9 @@ def _load_block(x_ptrs, w_ptrs, offs_m, offs_k, M, k_left, EVEN_K: tl.constexpr,
 # What still spills: log2(G) + 1 tiles of BLOCK_M * BLOCK_N / (32 * num_warps) registers
 # each; without spills up to about 192 of them: 256x128/w8 (128 a tile) spills 0.5 KB at
 # G = 2, 2.2 KB at G = 4; 128x128/w8 and 64x128/w4 (64) none up to G = 4, under 1 KB at
-# G = 8; 64x64/w4 (32) none at G = 8. Smaller tiles for G > 1 would change no bits
-# (eval/bench_linear.py --k-groups times one beside the table's).
+# G = 8; 64x64/w4 (32) none at G = 8. So G > 1 takes a smaller tile where the table's
+# would spill (_linear_tiles.tree_tile: the same BLOCK_K, the same bits);
+# eval/bench_linear.py --k-groups times the table's tile beside it.
 # No tree add folds into a dot: the one dot's accumulator is the loop-carried `acc`,
 # never a constant zero, so Triton's dot(a, b, 0) + c -> dot(a, b, c) rewrite cannot
 # match (the TTIR test in tests/test_linear_tree.py checks it); the closed group is read

@@ -24,12 +24,14 @@ K-group tree (tensor-parallel row shards; ``_ktree`` has the definition): with
 ``k_groups`` G > 1 each kernel reduces K in G contiguous groups, each the chain above
 anchored at its group's start, combined by a fixed balanced tree in fp32 before the bias
 and the one rounding; one pipelined loop over all of K runs every group's chain and
-closes it into the tree at the group's last block (``_linear_chain``). ``linear_partial`` returns one K shard's subtree root unrounded
-(fp32 output, no bias) and ``combine_partials`` finishes the tree over the shards, so t
-ranks holding G / t groups each reproduce ``linear(k_groups=G)`` bit for bit. G = 1
-(the default) compiles to the same Triton IR as the plain chain. The persistent kernel
-takes G > 1 only when (K / G) % BLOCK_K == 0 (no TMA box across two groups); otherwise
-the tiled kernel runs the same config.
+closes it into the tree at the group's last block (``_linear_chain``). ``linear_partial``
+returns one K shard's subtree root unrounded (fp32 output, no bias) and
+``combine_partials`` finishes the tree over the shards, so t ranks holding G / t groups
+each reproduce ``linear(k_groups=G)`` bit for bit. G = 1 (the default) is the plain chain,
+compiled as before. G > 1 takes a smaller tile where the table's cannot hold the tree's
+log2(G) + 1 fp32 accumulators in registers (``tree_tile``; the same bits). The persistent
+kernel takes G > 1 only when (K / G) % BLOCK_K == 0 (no TMA box across two groups);
+otherwise the tiled kernel runs the same config.
 
 Layout: x's leading dims are flattened with ``reshape`` (a copy only when they cannot be
 merged); the 2-D view's strides, and the weight's strides, go to the kernel, so a
@@ -61,7 +63,8 @@ from ._linear_checks import valid_fast_call, validate
 from ._linear_chain import _tiled_group, _tiled_tree, _tma_group, _tma_tree
 from ._linear_tiles import (  # noqa: F401  (the tables: tuned by the search, read by tests and benches)
     _CPU_BUCKETS, _CPU_CANDIDATES, _CPU_FIXED, _CPU_PROGRAMS, _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED,
-    _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates)
+    _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates,
+    tree_tile)
 
 try:  # host-side TMA descriptors (triton >= 3.3): no device scratch, no global allocator
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -73,19 +76,20 @@ FIXED_TILE = os.environ.get("AREAL_TIK_LINEAR_FIXED_TILE", "0") == "1"
 
 
 def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
-                  sms: int | None = None) -> TileConfig:
+                  sms: int | None = None, k_groups: int = 1) -> TileConfig:
     """Launch config for ``rows`` rows of a ``[n, k]`` weight: the bucket's ladder, or the fixed tile.
 
     ``tma`` says whether the persistent TMA kernel can run (default: judged from n and k
     for contiguous operands); when False, persistent rungs are skipped. ``sms``: the
-    GPU's SM count (default: the current CUDA device's, else the H200's 132).
+    GPU's SM count (default: the current CUDA device's, else the H200's 132). With
+    ``k_groups`` > 1 the tile may be smaller (``tree_tile``: registers; the same bits).
     """
     if tma is None:
         tma = (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
     if sms is None:
         cuda = not interpreting() and torch.cuda.is_available()
         sms = _device_info(torch.cuda.current_device())[1] if cuda else _REFERENCE_SMS
-    return _select(rows, n, dtype, tma, sms, FIXED_TILE, interpreting())
+    return tree_tile(_select(rows, n, dtype, tma, sms, FIXED_TILE, interpreting()), k_groups)
 
 
 def tma_compatible(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -265,7 +269,7 @@ def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_gr
     cfg = config
     if cfg is None:
         sms = _device_info(x2d.device.index or 0)[1] if x2d.is_cuda else _REFERENCE_SMS
-        cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
+        cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms, k_groups=k_groups)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     options = _launch_options(x2d, has_bias, cfg, k_groups)
     if cfg.persistent and tma and (k_groups == 1 or (K // k_groups) % bk == 0):
