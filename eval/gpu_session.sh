@@ -61,7 +61,7 @@ for s in $STAGES; do case $s in
   linear_tree) run linear_tree_tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/test_linear_tree.py
                run bench_linear_tree 400 python3 -m eval.bench_linear --k-groups 2 4 8 --out "$W/csv" ;;
   tree_tests) run linear_tree_tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/test_linear_tree.py ;;
-  # The cost alone (G = 2, 4, 8 vs 1, the smaller tile where the table's spills; ~3-4 min)
+  # The cost alone (G = 2, 4, 8 vs 1; the table's tile beside the smaller one G > 1 takes; ~3-5 min)
   tree_cost) run bench_linear_tree 400 python3 -m eval.bench_linear --k-groups 2 4 8 --out "$W/csv" ;;
   # flash-attn-4 beside SDPA (its CuTe kernels compile on first use: about a minute more)
   bench_attn) run bench_attention 240 python3 -m eval.bench_attention --out "$W/csv" ;;
