@@ -2,7 +2,7 @@
 
 Usage (GPU, repo root):
     python3 -m eval.bench_linear [--quick] [--sweep] [--timer graph|events] [--out DIR_OR_CSV]
-    python3 -m eval.bench_linear --k-groups 8 [--out DIR_OR_CSV]   # the K-group tree's cost
+    python3 -m eval.bench_linear --k-groups 2 4 8 [--out DIR_OR_CSV]   # the K-group tree's cost
 
 Times both implementations on the linear shapes of Qwen3-0.6B, Qwen3-1.7B and
 Llama-3.2-1B at 1..16384 tokens, prints the speed ratio (cuBLAS time / ours: >1 means
@@ -18,11 +18,15 @@ Python/launch cost leak into small-M numbers (the first run saw our M=1 time jum
 Longer calls use ``triton.testing.do_bench`` (L2 cleared before every call), as does
 ``--timer events`` for everything.
 
-``--k-groups G`` times only the K-group tree (tensor-parallel row shards): ``linear``
+``--k-groups G [G ...]`` times only the K-group tree (tensor-parallel row shards): ``linear``
 with k_groups = G vs 1 on the o_proj / down_proj shapes at 1, 64 and 4096 rows (the
-table's configs), i.e. what the tree costs a TP = 1 trainer, and one rank's
-``linear_partial`` of two ranks (K / 2 columns, G / 2 groups) beside them; it first checks
-that the two ranks' ``combine_partials`` equals the full kernel bit for bit.
+default configs), i.e. what the tree costs a TP = 1 trainer; where the table's tile
+cannot hold the tree's log2(G) + 1 fp32 tiles in registers, G > 1 runs the smaller tile
+of ``linear.tree_tile`` (same BLOCK_K, same bits) and the table's tile is timed beside
+it; and one rank's ``linear_partial`` of two ranks (K / 2 columns, G / 2 groups). It
+first checks that ``combine_partials`` over two ranks and over G ranks (one group each:
+the plain G = 1 chain, the tree's definition) and the table's tile equal the default
+kernel bit for bit.
 
 ``--sweep`` also times every invariance-proven tile geometry (``linear.linear_candidates``,
 both kernels) per token count on a few shapes, skipping geometries that cannot be
@@ -148,33 +152,48 @@ def bench_shape(model, layer, k, n, tokens, rep_ms, timer, info) -> list[dict]:
     return rows
 
 
-def bench_tree(k_groups: int, rep_ms, timer, info) -> list[dict]:
-    """linear with ``k_groups`` vs 1 (table configs), and one rank's partial of two ranks."""
+def bench_tree(groups: tuple[int, ...], rep_ms, timer, info) -> list[dict]:
+    """linear with each of ``groups`` vs 1 (its default configs: for G > 1 the table's tile
+    or the smaller one of ``linear.tree_tile``, and then the table's tile beside it), and
+    one rank's partial of two ranks."""
     rows = []
     for model, layer, k, n in TREE_SHAPES:
         half = k // 2
         for m in TREE_TOKENS:
-            x, w = inputs(m, k, n)
-            shards = [(x[:, r * half:(r + 1) * half].contiguous(), w[:, r * half:(r + 1) * half].contiguous())
-                      for r in range(2)]
-            ranks = combine_partials([linear_partial(xs, ws, k_groups=k_groups // 2) for xs, ws in shards],
-                                     None, x.dtype)
-            assert bitwise_equal(ranks, linear(x, w, k_groups=k_groups)), f"{model}/{layer} M={m}: 2 ranks != full"
-            del x, w, shards, ranks
-            timed = {
-                "unified_g1": measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer),
-                f"unified_g{k_groups}": measure(lambda x, w: lambda: linear(x, w, k_groups=k_groups),
-                                                m, k, n, rep_ms, timer),
-                f"rank_partial_t2_g{k_groups // 2}": measure(
+            cfg = L.linear_config(m, n, k, torch.bfloat16)
+            plain = measure(lambda x, w: lambda: linear(x, w), m, k, n, rep_ms, timer)
+            rows.append(_row(model, layer, k, n, m, "unified_g1", plain, info, cfg_name(cfg)))
+            for k_groups in groups:
+                tree_cfg = L.linear_config(m, n, k, torch.bfloat16, k_groups=k_groups)
+                x, w = inputs(m, k, n)
+                full = linear(x, w, k_groups=k_groups)
+                for t in (2, k_groups):  # t = G: one group a rank, each the plain G = 1 chain (the definition)
+                    width = k // t
+                    ranks = combine_partials([linear_partial(x[:, r * width:(r + 1) * width].contiguous(),
+                                                             w[:, r * width:(r + 1) * width].contiguous(),
+                                                             k_groups=k_groups // t) for r in range(t)], None, x.dtype)
+                    assert bitwise_equal(ranks, full), f"{model}/{layer} M={m} G={k_groups}: {t} ranks != full"
+                assert bitwise_equal(L.linear_forward(x, w, None, config=cfg, k_groups=k_groups), full), \
+                    f"{model}/{layer} M={m} G={k_groups}: {cfg_name(cfg)} != {cfg_name(tree_cfg)}"
+                del x, w, ranks, full
+                timed = {f"unified_g{k_groups}": (measure(lambda x, w: lambda: linear(x, w, k_groups=k_groups),
+                                                          m, k, n, rep_ms, timer), tree_cfg)}
+                if tree_cfg != cfg:
+                    timed[f"unified_g{k_groups}_table_tile"] = (measure(
+                        lambda x, w: lambda: L.linear_forward(x, w, None, config=cfg, k_groups=k_groups),
+                        m, k, n, rep_ms, timer), cfg)
+                timed[f"rank_partial_t2_g{k_groups // 2}"] = (measure(  # a rank of two: K / 2, G / 2 groups
                     lambda x, w: lambda: linear_partial(x, w, k_groups=k_groups // 2), m, half, n, rep_ms, timer),
-            }
-            plain, tree, part = (timed[key]["us"] for key in timed)
-            cfg = cfg_name(L.linear_config(m, n, k, torch.bfloat16))
-            print(f"{model:>13} {layer:>5} K={k:<5} N={n:<5} M={m:<5} G=1 {plain:8.1f} us  G={k_groups} "
-                  f"{tree:8.1f} us ({tree / plain:4.2f}x)  rank partial (K/2, G/2) {part:8.1f} us  {cfg}",
-                  flush=True)
-            for impl, res in timed.items():
-                rows.append(_row(model, layer, k if impl.startswith("unified") else half, n, m, impl, res, info, cfg))
+                    L.linear_config(m, n, half, torch.bfloat16, k_groups=k_groups // 2))
+                tree = timed[f"unified_g{k_groups}"][0]["us"]
+                extra = "".join(f"  {impl.removeprefix('unified_')} {res['us']:8.1f} us ({cfg_name(c)})"
+                                for impl, (res, c) in timed.items() if impl != f"unified_g{k_groups}")
+                print(f"{model:>13} {layer:>5} K={k:<5} N={n:<5} M={m:<5} G=1 {plain['us']:8.1f} us "
+                      f"({cfg_name(cfg)})  G={k_groups} {tree:8.1f} us ({tree / plain['us']:4.2f}x, "
+                      f"{cfg_name(tree_cfg)}){extra}", flush=True)
+                for impl, (res, c) in timed.items():
+                    rows.append(_row(model, layer, half if impl.startswith("rank") else k, n, m, impl, res, info,
+                                     cfg_name(c)))
     return rows
 
 
@@ -243,8 +262,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timer", choices=("graph", "events"), default="graph",
                         help="graph: CUDA-graph replay for calls < 200 us (default); events: do_bench")
     parser.add_argument("--rep-ms", type=int, default=40, help="timing budget per case")
-    parser.add_argument("--k-groups", type=int, choices=(2, 4, 8), default=None,
-                        help="only time the K-group tree: k_groups = G vs 1 on o_proj / down_proj shapes")
+    parser.add_argument("--k-groups", type=int, nargs="+", choices=(2, 4, 8), default=None, metavar="G",
+                        help="only time the K-group tree: k_groups = G (one or more of 2 4 8) vs 1 on "
+                             "o_proj / down_proj shapes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear needs a CUDA GPU")
@@ -252,7 +272,7 @@ def main(argv=None) -> None:
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}  "
           f"fixed tile: {L.FIXED_TILE}  timer: {args.timer}")
     if args.k_groups is not None:
-        rows = bench_tree(args.k_groups, args.rep_ms, args.timer, info)
+        rows = bench_tree(tuple(dict.fromkeys(args.k_groups)), args.rep_ms, args.timer, info)
         print(f"wrote {write_csv(rows, args.out, 'bench_linear_tree.csv')} ({len(rows)} rows) "
               f"in {time.time() - start:.0f} s")
         return

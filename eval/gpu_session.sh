@@ -4,7 +4,7 @@
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_host qualify check bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
-#           linear_tree tree_cost
+#           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
@@ -59,8 +59,10 @@ for s in $STAGES; do case $s in
   # The K-group tree (tensor-parallel row shards): its GPU proof (~150 Triton variants:
   # apart from "tests" for its time), then its cost at TP = 1.
   linear_tree) run linear_tree_tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/test_linear_tree.py
-               run bench_linear_tree 240 python3 -m eval.bench_linear --k-groups 8 --out "$W/csv" ;;
-  tree_cost) run bench_linear_tree 240 python3 -m eval.bench_linear --k-groups 8 --out "$W/csv" ;;  # the cost alone
+               run bench_linear_tree 400 python3 -m eval.bench_linear --k-groups 2 4 8 --out "$W/csv" ;;
+  tree_tests) run linear_tree_tests 420 python3 -m pytest -q -m gpu --timeout=300 -rfE tests/test_linear_tree.py ;;
+  # The cost alone (G = 2, 4, 8 vs 1; the table's tile beside the smaller one G > 1 takes; ~3-5 min)
+  tree_cost) run bench_linear_tree 400 python3 -m eval.bench_linear --k-groups 2 4 8 --out "$W/csv" ;;
   # flash-attn-4 beside SDPA (its CuTe kernels compile on first use: about a minute more)
   bench_attn) run bench_attention 240 python3 -m eval.bench_attention --out "$W/csv" ;;
   probe_attn) run probe_attention 160 python3 -m eval.probe_attention ;;

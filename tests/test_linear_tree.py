@@ -275,8 +275,10 @@ def test_gpu_every_config_and_both_kernels_equal_with_the_tree(k, n, k_groups, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", TP_SHAPES)
 def test_gpu_shards_and_rows_equal_the_full_tree(k, n):
-    """combine_partials over t = 2 and 4 ranks (each a contiguous K / t copy) == the full
-    kernel with the same G; every row count gives each row the bits it has alone."""
+    """combine_partials over t = 2, 4 and 8 ranks (each a contiguous K / t copy) == the full
+    kernel with the same G; t = G gives each rank one group, i.e. the plain G = 1 chain,
+    so the one-loop tree is checked against the definition built from it. Every row
+    count gives each row the bits it has alone."""
     x, w, b = _gpu_problem(max(TP_ROWS), k, n, seed=40)
     for k_groups in (2, 4, 8):
         full = linear(x, w, b, k_groups=k_groups)
@@ -286,7 +288,7 @@ def test_gpu_shards_and_rows_equal_the_full_tree(k, n):
             assert_bitwise(linear(x[:m], w, b, k_groups=k_groups), full[:m], f"G={k_groups} first {m} rows")
             assert_bitwise(linear(x[m - 1:m], w, b, k_groups=k_groups), full[m - 1:m], f"G={k_groups} row {m - 1}")
             assert_bitwise(linear_partial(x[:m], w, k_groups=k_groups), full_partial[:m], f"partial, {m} rows")
-            for t in (2, 4):
+            for t in (2, 4, 8):
                 if k_groups % t == 0:
                     got = combine_partials(_shards(x[:m], w, t, k_groups), b, x.dtype)
                     assert_bitwise(got, full[:m], f"G={k_groups} over {t} ranks, {m} rows")
@@ -343,44 +345,56 @@ def _ttir_by_kernel() -> dict:
 
 
 def _reduction_of(ttir: str):
-    """The expression the rounded output is computed from: a leaf is one K-group chain (a
-    loop whose fp32 accumulator starts at the zero tile), a pair is one fp32 add."""
+    """The expression the rounded output is computed from, over the K loop's results: a
+    leaf ``(loop, i)`` is result i of a loop whose fp32 iter_arg i starts at the zero tile,
+    a pair is one fp32 add. Also returns the K loops (from the zero tile) and the dots, and
+    checks that every dot accumulates into such an iter_arg (no add folded into a dot)."""
     acc_type = "tensor<64x128xf32>"
     zero = re.search(r"(%\S+) = arith.constant dense<0.000000e\+00> : " + re.escape(acc_type), ttir).group(1)
-    leaves, adds, dots = {}, {}, []
+    loops, adds, dots = {}, {}, []
     for line in ttir.splitlines():
         loop = re.match(r"\s*(%[\w]+)(?::\d+)? = scf.for .*iter_args\((.*?)\) ->", line)
-        if loop and re.search(r"= " + re.escape(zero) + r"\b", loop.group(2)):
-            leaves[loop.group(1)] = len(leaves)
+        if loop:
+            args = [arg.split(" = ") for arg in loop.group(2).split(", ")]
+            from_zero = {i: name for i, (name, init) in enumerate(args) if init == zero}
+            if from_zero:
+                loops[loop.group(1)] = from_zero
         add = re.match(r"\s*(%\S+) = arith.addf (%\S+), (%\S+) : " + re.escape(acc_type), line)
         if add:
             adds[add.group(1)] = (add.group(2).rstrip(","), add.group(3))
         dot = re.match(r"\s*%\S+ = tt.dot \S+, \S+, (%\S+),", line)
         if dot:
             dots.append(dot.group(1))
+    carried = {name for from_zero in loops.values() for name in from_zero.values()}
     assert not set(dots) & set(adds), "a tree add was folded into a dot's accumulator"
+    assert set(dots) <= carried, "a dot accumulates into something other than a loop-carried tile from zero"
     root = re.search(r"arith.truncf (%\S+) : " + re.escape(acc_type), ttir).group(1)
 
     def expr(value):
         if value in adds:
             return tuple(expr(v) for v in adds[value])
-        return leaves[value.split("#")[0]]
+        loop, _, index = value.partition("#")
+        assert loop in loops and int(index or 0) in loops[loop], f"{value} is neither an add nor a K loop's tile"
+        return loop, int(index or 0)
 
-    return expr(root), len(leaves), len(dots)
+    return expr(root), loops, dots
 
 
 def test_compiled_gpu_ir_follows_the_tree():
-    """Both kernels' Hopper TTIR, G = 1, 2, 4, 8: G chains (one dot each, from the zero
-    tile) and the output is the balanced tree of their sums, left to right, unfolded."""
+    """Both kernels' Hopper TTIR. G = 1: one loop, one dot from the zero tile, its result
+    rounded. G = 2, 4, 8: still one K loop with one dot (no add folded into it), the
+    accumulator and log2(G) live partial sums all starting at the zero tile, and after the
+    loop the partials (p0, p1, p2: the left subtrees still waiting) each added on the left
+    of the right subtree built so far, innermost first: p2 + (p1 + (p0 + acc)). The
+    closing of each group inside the loop is proved bit for bit by the interpreter tests
+    above (the same code; the interpreter runs no MLIR pass, hence this test)."""
     for key, ttir in _ttir_by_kernel().items():
         groups = int(key.split("/")[1])
-        tree, leaves, dots = _reduction_of(ttir)
-        assert (leaves, dots) == (groups, groups), key
-        assert tree == _nested(list(range(groups))), key
-
-
-def _nested(items):
-    """The balanced tree over ``items`` as nested pairs (a leaf is itself)."""
-    if len(items) == 1:
-        return items[0]
-    return (_nested(items[:len(items) // 2]), _nested(items[len(items) // 2:]))
+        tree, loops, dots = _reduction_of(ttir)
+        (loop, carried), = loops.items()
+        assert len(dots) == 1 and len(carried) == 1 + groups.bit_length() - 1, key
+        acc = next(i for i, name in carried.items() if name == dots[0])
+        expect = (loop, acc)
+        for partial in sorted(set(carried) - {acc}):  # p0, p1, p2 in the order they are declared
+            expect = ((loop, partial), expect)
+        assert tree == expect, key

@@ -20,7 +20,7 @@ import torch
 
 from ._common import FLOAT_DTYPES, check_device, check_same_device
 
-MAX_K_GROUPS = 8  # the kernels unroll at most 8 groups (G = 8: four live accumulators)
+MAX_K_GROUPS = 8  # the kernels' tree holds at most 8 groups (G = 8: four live accumulators)
 
 
 def _is_power_of_two(n: int) -> bool:

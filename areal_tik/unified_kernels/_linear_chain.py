@@ -19,40 +19,125 @@ def _dot_step(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
-# The K-group tree (see _ktree): group g covers columns [g K/G, (g+1) K/G). The kernels
-# unroll it statically: acc = s0, then for level 0, 1, 2 (while 2^level < G) acc = acc +
-# (the subtree of the next 2^level groups), i.e. ((s0 + s1) + (s2 + s3)) + ((s4 + s5) +
-# (s6 + s7)), left + right in fp32. Evaluated left to right, at most log2(G) + 1
-# accumulators are live (G = 8: s0123, s45, s6 and the running s7). Register pressure:
-# each is a BLOCK_M x BLOCK_N fp32 tile, BLOCK_M * BLOCK_N / (32 * num_warps) registers
-# per thread (8 for 64x16 on 4 warps, 64 for 64x128, 128 for 256x128 on 8 warps). ptxas
-# (sm_90a, triton 3.6, bf16) reports: decode 64x16/w4/s20 no spills at G = 1, 2, 8 (121,
-# 165, 254 registers); persistent 256x128/w8/s3 none at G = 1 (156 registers), 0.8 KB
-# of spill stores per thread at G = 2 and 12 KB at G = 8; the tiled 256x128/w8/s3 already
-# spills 0.8 KB at G = 1, 2.8 KB at G = 2, 10 KB at G = 8. eval/bench_linear.py
-# --k-groups times what that costs; smaller tiles for G > 1 would change no bits.
-# Every group is a runtime loop finished before its add, so no tree add can fold into a
-# dot's accumulator (Triton rewrites dot(a, b, 0) + c as dot(a, b, c)). K_GROUPS = 1 is
-# the one-group chain over all of K: today's code, unchanged.
 @triton.jit
-def _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk, INDEX: tl.constexpr,
+def _load_block(x_ptrs, w_ptrs, offs_m, offs_k, M, k_left, EVEN_K: tl.constexpr, MASK_ROWS: tl.constexpr):
+    # One K block of x [BLOCK_M, BLOCK_K] and weight [BLOCK_K, BLOCK_N]; columns from
+    # k_left on (past the group's end) and, with MASK_ROWS, rows past M read zeros.
+    if EVEN_K and not MASK_ROWS:
+        a = tl.load(x_ptrs)
+        b = tl.load(w_ptrs)
+    else:
+        k_ok = offs_k < k_left
+        a = tl.load(x_ptrs, mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+    return a, b
+
+
+# The K-group tree (see _ktree): group g covers columns [g K/G, (g+1) K/G), each an fp32
+# chain from zero over its own BLOCK_K blocks; the G sums are combined by the balanced
+# tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), left + right in fp32.
+#
+# K_GROUPS = 1 is the one-group chain over all of K (_tiled_group / _tma_group): today's
+# code, unchanged (the same sm_90a PTX). K_GROUPS > 1 runs ONE pipelined loop over
+# the G x blocks-per-group blocks of all of K (_tiled_tree / _tma_tree): `acc` is the
+# running group's chain; at the last block of group g < G - 1 (a runtime scalar
+# condition, an scf.if) the group is closed into the live partial sums like a binary
+# counter (_close_group) and `acc` restarts from the zero tile; after the loop the last
+# group's chain is merged with what is left (_finish_tree). These are the tree's adds, each
+# left + right, so the bits are the tree's (tests/test_linear_tree*.py: per-group chains
+# and the tree on the host). At most log2(G) + 1 tiles are live: acc and p0, p1, p2 (G = 8).
+# Why one loop: the earlier version ran every group as its own loop, each pipelined on
+# its own; at K = 2048, G = 8 a group has 4 blocks, so a num_stages = 20 decode config
+# filled and drained its pipeline 8 times and kept 8 loops' prologue state live. ptxas
+# (sm_90a, triton 3.6, bf16), before -> now: 64x16/w4/s20 with masked rows (decode) at
+# G = 8: 255 registers and 5 KB of spill stores -> 113 registers, no spills (G = 2: 40,
+# as G = 1); 256x128/w8/s3 at G = 8: 12 KB of spills and serialised wgmma -> 4.4 KB, the
+# wgmma asynchronous (one in flight, as G = 1). The H200 measured the earlier version at
+# 2.7-18.5x G = 1 (eval/results/2026-12-02_h200_15165ad). A loop over groups around a loop
+# over blocks would refill the pipeline per group again.
+# What still spills: log2(G) + 1 tiles of BLOCK_M * BLOCK_N / (32 * num_warps) registers
+# each; without spills up to about 192 of them: 256x128/w8 (128 a tile) spills 0.5 KB at
+# G = 2, 2.2 KB at G = 4; 128x128/w8 and 64x128/w4 (64) none up to G = 4, under 1 KB at
+# G = 8; 64x64/w4 (32) none at G = 8. So G > 1 takes a smaller tile where the table's
+# would spill (_linear_tiles.tree_tile: the same BLOCK_K, the same bits);
+# eval/bench_linear.py --k-groups times the table's tile beside it.
+# No tree add folds into a dot: the one dot's accumulator is the loop-carried `acc`,
+# never a constant zero, so Triton's dot(a, b, 0) + c -> dot(a, b, c) rewrite cannot
+# match (the TTIR test in tests/test_linear_tree.py checks it); the closed group is read
+# only inside the scf.if, where the pipeliner waits for the dot first.
+@triton.jit
+def _close_group(acc, p0, p1, p2, g, K_GROUPS: tl.constexpr):
+    # Group g (< K_GROUPS - 1) has sum acc. p_l holds the left subtree of 2^l groups that
+    # waits for its right sibling; g's trailing one bits say how many levels complete now:
+    # g = 0, 2, 4, 6: p0 = s_g; g = 1, 5: p1 = p0 + s_g; g = 3: p2 = p1 + (p0 + s3).
+    # Selects on the scalar g, not branches: each p then takes a select's result, never
+    # the dot's own value, which reaches only `acc`'s yield. A dot result carried in two
+    # loop values is not made asynchronous by Triton's wgmma pipeliner (a wait after
+    # every dot); unused adds here cost one tile add per group.
+    left = g % 2 == 0
+    if K_GROUPS >= 4:
+        pair = p0 + acc  # (g odd) the right sibling of p0 closes a level-1 subtree
+        if K_GROUPS == 8:
+            p2 = tl.where(g == 3, p1 + pair, p2)
+            p1 = tl.where(~left & (g != 3), pair, p1)
+        else:
+            p1 = tl.where(~left, pair, p1)
+    p0 = tl.where(left, acc, p0)
+    return p0, p1, p2
+
+
+@triton.jit
+def _finish_tree(acc, p0, p1, p2, K_GROUPS: tl.constexpr):
+    # acc = the last group's sum (g = G - 1: every bit one): each waiting left subtree,
+    # innermost first, + the right one built so far.
+    root = p0 + acc
+    if K_GROUPS > 2:
+        root = p1 + root
+    if K_GROUPS > 4:
+        root = p2 + root
+    return root
+
+
+@triton.jit
+def _tiled_tree(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk, K_GROUPS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                MASK_ROWS: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Block kb is block j of group g: columns g group_k + j BLOCK_K + [0, BLOCK_K), masked at
+    # the group's end (EVEN_K: group_k % BLOCK_K == 0, every block whole and kb BLOCK_K its
+    # start): the same loads, masks and dots, in the same order, as one loop per group.
+    per_group = tl.cdiv(group_k, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K_GROUPS * per_group):
+        g = kb // per_group
+        j = kb - g * per_group
+        if EVEN_K:
+            xs, ws = x_ptrs, w_ptrs
+        else:
+            xs = x_ptrs + (g * group_k + j * BLOCK_K) * stride_xk
+            ws = w_ptrs + (g * group_k + j * BLOCK_K) * stride_wk
+        a, b = _load_block(xs, ws, offs_m, offs_k, M, group_k - j * BLOCK_K, EVEN_K, MASK_ROWS)
+        acc = _dot_step(a, b, acc, INTERPRET, DOT_PRECISION)
+        if EVEN_K:
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        if (j == per_group - 1) & (g < K_GROUPS - 1):
+            p0, p1, p2 = _close_group(acc, p0, p1, p2, g, K_GROUPS)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return _finish_tree(acc, p0, p1, p2, K_GROUPS)
+
+
+@triton.jit
+def _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  MASK_ROWS: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Group INDEX: its blocks 0, 1, 2, ... in order (anchored at its first column), fp32
-    # accumulator from zero, the last block masked at the group's end (EVEN_K: group_k %
-    # BLOCK_K == 0, nothing to mask).
-    if INDEX > 0:
-        x_ptrs += INDEX * group_k * stride_xk
-        w_ptrs += INDEX * group_k * stride_wk
+    # The one-group chain (K_GROUPS = 1): blocks 0, 1, 2, ... in order, fp32 accumulator
+    # from zero, the last block masked at K (EVEN_K: K % BLOCK_K == 0).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(group_k, BLOCK_K)):
-        if EVEN_K and not MASK_ROWS:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < group_k - kb * BLOCK_K
-            a = tl.load(x_ptrs, mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        a, b = _load_block(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k - kb * BLOCK_K, EVEN_K, MASK_ROWS)
         acc = _dot_step(a, b, acc, INTERPRET, DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
@@ -60,51 +145,37 @@ def _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_w
 
 
 @triton.jit
-def _tiled_subtree(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk,
-                   FIRST: tl.constexpr, COUNT: tl.constexpr,  # groups FIRST .. FIRST + COUNT - 1; COUNT 1, 2, 4
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   MASK_ROWS: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    acc = _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk, FIRST,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
-    if COUNT >= 2:
-        acc = acc + _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk, FIRST + 1,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
-    if COUNT == 4:
-        acc = acc + _tiled_subtree(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk, FIRST + 2, 2,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
-    return acc
+def _tma_tree(x_desc, w_desc, off_m, off_n, group_k, K_GROUPS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # _tiled_tree through TMA. A box past a group's end would read the next group, so the
+    # launcher takes this kernel for K_GROUPS > 1 only when group_k % BLOCK_K == 0: block
+    # kb starts at column kb BLOCK_K; zeros past K (TMA zero-fills out-of-bounds boxes).
+    per_group = group_k // BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    p2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K_GROUPS * per_group):
+        a = x_desc.load([off_m, kb * BLOCK_K])
+        b = w_desc.load([off_n, kb * BLOCK_K])
+        acc = _dot_step(a, b.T, acc, INTERPRET, DOT_PRECISION)
+        g = kb // per_group
+        if (kb - g * per_group == per_group - 1) & (g < K_GROUPS - 1):
+            p0, p1, p2 = _close_group(acc, p0, p1, p2, g, K_GROUPS)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return _finish_tree(acc, p0, p1, p2, K_GROUPS)
 
 
 @triton.jit
-def _tma_group(x_desc, w_desc, off_m, off_n, group_k, INDEX: tl.constexpr,
+def _tma_group(x_desc, w_desc, off_m, off_n, group_k,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # The tiled kernel's group chain through TMA: blocks of group INDEX in order, zeros
-    # past K (TMA fills out-of-bounds boxes with zeros). Inside K a box past a group's end
-    # would read the next group: the launcher takes this kernel for K_GROUPS > 1 only when
-    # group_k % BLOCK_K == 0.
-    if INDEX > 0:
-        k0 = INDEX * group_k
-    else:
-        k0 = 0
+    # The tiled kernel's one-group chain through TMA (K_GROUPS = 1): blocks in order,
+    # zeros past K (TMA fills out-of-bounds boxes with zeros).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(group_k, BLOCK_K)):
-        a = x_desc.load([off_m, k0 + kb * BLOCK_K])
-        b = w_desc.load([off_n, k0 + kb * BLOCK_K])
+        a = x_desc.load([off_m, kb * BLOCK_K])
+        b = w_desc.load([off_n, kb * BLOCK_K])
         acc = _dot_step(a, b.T, acc, INTERPRET, DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def _tma_subtree(x_desc, w_desc, off_m, off_n, group_k, FIRST: tl.constexpr, COUNT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # As _tiled_subtree: groups FIRST .. FIRST + COUNT - 1 (COUNT 1, 2, 4), left + right.
-    acc = _tma_group(x_desc, w_desc, off_m, off_n, group_k, FIRST, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
-    if COUNT >= 2:
-        acc = acc + _tma_group(x_desc, w_desc, off_m, off_n, group_k, FIRST + 1,
-                               BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
-    if COUNT == 4:
-        acc = acc + _tma_subtree(x_desc, w_desc, off_m, off_n, group_k, FIRST + 2, 2,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
     return acc

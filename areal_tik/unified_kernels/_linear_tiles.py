@@ -106,6 +106,31 @@ _CPU_PROGRAMS = 3  # "SMs" of the interpreted persistent kernel: programs loop o
 _REFERENCE_SMS = 132  # the H200's SM count: used where no GPU is present
 
 
+# The K-group tree (G > 1) keeps log2(G) + 1 fp32 tiles live (_linear_chain), each
+# BLOCK_M * BLOCK_N / (32 * num_warps) registers a thread; ptxas (sm_90a, triton 3.6)
+# spilled once they took more than about 192 (256x128/w8: 0.5 KB at G = 2, 4.4 KB at
+# G = 8; 128x128/w8 and 64x128/w4 none up to G = 4; 128x64/w8, 64x64/w4 none at G = 8).
+_TREE_ACC_REGS = 192
+
+
+def tree_tile(cfg: TileConfig, k_groups: int) -> TileConfig:
+    """``cfg`` for the plain chain; with ``k_groups`` > 1, a tile whose live accumulators
+    fit the registers: BLOCK_M halved down to 128, then BLOCK_N down to 64, then BLOCK_M
+    down to 64, with at least 4 stages (the smaller tile's shared memory). BLOCK_K, warps,
+    kernel and MMA family stay: the same bits (the GPU contract test runs both)."""
+    if k_groups == 1:
+        return cfg
+    live, bm, bn = k_groups.bit_length(), cfg.block_m, cfg.block_n  # bit_length: log2(G) + 1
+    while live * bm * bn > _TREE_ACC_REGS * 32 * cfg.num_warps and (bm > 64 or bn > 64):
+        if bm > 128 or (bn <= 64 and bm > 64):
+            bm //= 2
+        else:
+            bn //= 2
+    if (bm, bn) == (cfg.block_m, cfg.block_n):
+        return cfg
+    return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_stages=max(cfg.num_stages, 4), split_epilogue=False)
+
+
 def buckets(dtype: torch.dtype) -> tuple:
     """The ((max_rows, ladder), ...) table used for ``dtype`` in this process."""
     return (_CPU_BUCKETS if interpreting() else _GPU_BUCKETS)[dtype]

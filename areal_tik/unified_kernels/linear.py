@@ -23,12 +23,15 @@ True`` on this module) forces one config for every shape.
 K-group tree (tensor-parallel row shards; ``_ktree`` has the definition): with
 ``k_groups`` G > 1 each kernel reduces K in G contiguous groups, each the chain above
 anchored at its group's start, combined by a fixed balanced tree in fp32 before the bias
-and the one rounding. ``linear_partial`` returns one K shard's subtree root unrounded
-(fp32 output, no bias) and ``combine_partials`` finishes the tree over the shards, so t
-ranks holding G / t groups each reproduce ``linear(k_groups=G)`` bit for bit. G = 1
-(the default) compiles to the same Triton IR as the plain chain. The persistent kernel
-takes G > 1 only when (K / G) % BLOCK_K == 0 (no TMA box across two groups); otherwise
-the tiled kernel runs the same config.
+and the one rounding; one pipelined loop over all of K runs every group's chain and
+closes it into the tree at the group's last block (``_linear_chain``). ``linear_partial``
+returns one K shard's subtree root unrounded (fp32 output, no bias) and
+``combine_partials`` finishes the tree over the shards, so t ranks holding G / t groups
+each reproduce ``linear(k_groups=G)`` bit for bit. G = 1 (the default) is the plain chain,
+compiled as before. G > 1 takes a smaller tile where the table's cannot hold the tree's
+log2(G) + 1 fp32 accumulators in registers (``tree_tile``; the same bits). The persistent
+kernel takes G > 1 only when (K / G) % BLOCK_K == 0 (no TMA box across two groups);
+otherwise the tiled kernel runs the same config.
 
 Layout: x's leading dims are flattened with ``reshape`` (a copy only when they cannot be
 merged); the 2-D view's strides, and the weight's strides, go to the kernel, so a
@@ -57,10 +60,11 @@ from . import _common
 from ._common import grad_mm, interpreting
 from ._ktree import check_k_groups, combine_partials  # noqa: F401  (combine_partials: API of this module)
 from ._linear_checks import valid_fast_call, validate
-from ._linear_chain import _tiled_group, _tiled_subtree, _tma_group, _tma_subtree
+from ._linear_chain import _tiled_group, _tiled_tree, _tma_group, _tma_tree
 from ._linear_tiles import (  # noqa: F401  (the tables: tuned by the search, read by tests and benches)
     _CPU_BUCKETS, _CPU_CANDIDATES, _CPU_FIXED, _CPU_PROGRAMS, _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED,
-    _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates)
+    _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates,
+    tree_tile)
 
 try:  # host-side TMA descriptors (triton >= 3.3): no device scratch, no global allocator
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -72,19 +76,20 @@ FIXED_TILE = os.environ.get("AREAL_TIK_LINEAR_FIXED_TILE", "0") == "1"
 
 
 def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
-                  sms: int | None = None) -> TileConfig:
+                  sms: int | None = None, k_groups: int = 1) -> TileConfig:
     """Launch config for ``rows`` rows of a ``[n, k]`` weight: the bucket's ladder, or the fixed tile.
 
     ``tma`` says whether the persistent TMA kernel can run (default: judged from n and k
     for contiguous operands); when False, persistent rungs are skipped. ``sms``: the
-    GPU's SM count (default: the current CUDA device's, else the H200's 132).
+    GPU's SM count (default: the current CUDA device's, else the H200's 132). With
+    ``k_groups`` > 1 the tile may be smaller (``tree_tile``: registers; the same bits).
     """
     if tma is None:
         tma = (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
     if sms is None:
         cuda = not interpreting() and torch.cuda.is_available()
         sms = _device_info(torch.cuda.current_device())[1] if cuda else _REFERENCE_SMS
-    return _select(rows, n, dtype, tma, sms, FIXED_TILE, interpreting())
+    return tree_tile(_select(rows, n, dtype, tma, sms, FIXED_TILE, interpreting()), k_groups)
 
 
 def tma_compatible(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -176,18 +181,14 @@ def _linear_fwd_kernel(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
 
-    # Reduction: each K group's blocks in order, fp32 accumulators, the groups' tree.
+    # Reduction: K blocks in order into an fp32 accumulator; with K groups, one loop over
+    # all of K that closes each group's chain into the groups' tree (_linear_chain).
     if K_GROUPS == 1:
-        group_k = K
+        acc = _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, K, stride_xk, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
     else:
-        group_k = K // K_GROUPS
-    acc = _tiled_group(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk, 0,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
-    for level in tl.static_range(3):
-        if 2 ** level < K_GROUPS:
-            acc = acc + _tiled_subtree(x_ptrs, w_ptrs, offs_m, offs_k, M, group_k, stride_xk, stride_wk,
-                                       2 ** level, 2 ** level,
-                                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
+        acc = _tiled_tree(x_ptrs, w_ptrs, offs_m, offs_k, M, K // K_GROUPS, stride_xk, stride_wk, K_GROUPS,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, MASK_ROWS, INTERPRET, DOT_PRECISION)
 
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]
@@ -215,10 +216,11 @@ def _linear_fwd_persistent_kernel(
     # Grid: min(#SMs, #tiles) programs; program p computes tiles p, p + NUM_PROGRAMS, ...
     # in the same L2-grouped order as the tiled kernel. flatten=True (one group only) lets
     # the pipeliner issue the next tile's first TMA loads while this tile's epilogue runs;
-    # with several groups there are several inner loops, which the flattener does not take.
-    # Each tile's reduction is the tiled kernel's: each group's K blocks in order, one dot
-    # per block, zeros past K (TMA zero-fills out-of-bounds boxes; out-of-bounds stores
-    # drop), then the groups' tree.
+    # with K groups, flattening the tile loop around the K loop (and its group-closing
+    # scf.if) made ptxas serialise the wgmma (sm_90a, triton 3.6), so G > 1 keeps two loops.
+    # Each tile's reduction is the tiled kernel's: K blocks in order, one dot per block,
+    # zeros past K (TMA zero-fills out-of-bounds boxes; out-of-bounds stores drop), with K
+    # groups closed into the groups' tree on the way.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=K_GROUPS == 1):
@@ -226,14 +228,10 @@ def _linear_fwd_persistent_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         if K_GROUPS == 1:
-            group_k = K
+            acc = _tma_group(x_desc, w_desc, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
         else:
-            group_k = K // K_GROUPS
-        acc = _tma_group(x_desc, w_desc, off_m, off_n, group_k, 0, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
-        for level in tl.static_range(3):
-            if 2 ** level < K_GROUPS:
-                acc = acc + _tma_subtree(x_desc, w_desc, off_m, off_n, group_k, 2 ** level, 2 ** level,
-                                         BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
+            acc = _tma_tree(x_desc, w_desc, off_m, off_n, K // K_GROUPS, K_GROUPS,
+                            BLOCK_M, BLOCK_N, BLOCK_K, INTERPRET, DOT_PRECISION)
         if HAS_BIAS:
             cols = off_n + tl.arange(0, BLOCK_N)
             acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -271,7 +269,7 @@ def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_gr
     cfg = config
     if cfg is None:
         sms = _device_info(x2d.device.index or 0)[1] if x2d.is_cuda else _REFERENCE_SMS
-        cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms)
+        cfg = linear_config(M, N, K, x2d.dtype, tma=tma, sms=sms, k_groups=k_groups)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     options = _launch_options(x2d, has_bias, cfg, k_groups)
     if cfg.persistent and tma and (k_groups == 1 or (K // k_groups) % bk == 0):

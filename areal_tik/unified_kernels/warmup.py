@@ -83,12 +83,13 @@ class WarmupShapes:
             raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
 
 
-def linear_row_variants(n: int, k: int, dtype: torch.dtype, max_rows: int, tma: bool = True) -> list[int]:
+def linear_row_variants(n: int, k: int, dtype: torch.dtype, max_rows: int, tma: bool = True,
+                        k_groups: int = 1) -> list[int]:
     """The smallest row count of each launch variant of an ``[n, k]`` linear in
     ``[1, max_rows]``: a variant is (tile config, rows < BLOCK_M), all the key sees of M."""
     variants: dict = {}
     for rows in range(1, max_rows + 1):
-        cfg = _linear.linear_config(rows, n, k, dtype, tma=tma)
+        cfg = _linear.linear_config(rows, n, k, dtype, tma=tma, k_groups=k_groups)
         variants.setdefault((cfg, rows < cfg.block_m), rows)
     return sorted(variants.values())
 
@@ -104,7 +105,7 @@ def warm_linear(linears, max_rows: int, dtype, device, partials=()) -> list[Call
         w = torch.zeros(n, k, dtype=dtype, device=device)
         b = torch.zeros(n, dtype=dtype, device=device) if has_bias else None
         x = torch.zeros(max_rows, k, dtype=dtype, device=device)
-        for rows in linear_row_variants(n, k, dtype, max_rows, tma=_linear.tma_compatible(x, w)):
+        for rows in linear_row_variants(n, k, dtype, max_rows, tma=_linear.tma_compatible(x, w), k_groups=groups):
             if partial:
                 tasks.append(functools.partial(_linear.partial_forward, x[:rows], w, groups))
             else:
