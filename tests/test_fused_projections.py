@@ -150,3 +150,15 @@ def test_gpu_fused_columns_equal_separate_linears(hidden, nq, nkv, inter, bias):
         sep = torch.cat([linear(x, w, b) for w, b in zip(ws[:3], bs)], dim=-1)
         assert_bitwise(fused_qkv, sep, f"q|k|v, {m} rows")
         assert_bitwise(linear(x, gu_w), torch.cat([linear(x, w) for w in ws[3:]], dim=-1), f"gate|up, {m} rows")
+
+
+def test_engine_lays_out_the_projections_at_start():
+    from areal_tik.engine import LLM, EngineConfig
+
+    hf = tiny_hf("llama", tied=False, fresh=True)
+    attn = hf.model.layers[0].self_attn
+    qkv = lambda: [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]  # noqa: E731
+    assert adjacent_rows(qkv()) is None  # HF allocates each weight on its own
+    with LLM(UnifiedCausalLM.from_hf(hf, kernels="unified"), EngineConfig(max_num_seqs=2, max_model_len=64,
+                                                                          kv_block_size=16)):
+        assert adjacent_rows(qkv()) is not None

@@ -22,8 +22,6 @@ from concurrent.futures import Future, wait
 
 import torch
 
-from areal_tik.model.fused import fuse_projection_storage
-
 from .config import EngineConfig, SamplingParams
 from .model_runner import ModelRunner
 from .progress import Progress
@@ -72,9 +70,9 @@ class LLM:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         check_engine_model(model, config, tensor_parallel)
-        hf = getattr(model, "hf_model", None)
-        if hf is not None:
-            fuse_projection_storage(hf)  # rollout's q/k/v and gate/up as one GEMM each: same bits
+        fuse = getattr(model, "fuse_projections", None)
+        if fuse is not None:
+            fuse()  # rollout's q/k/v and gate/up as one GEMM each (model/fused.py): same bits
         self.model = model
         self.config = config
         self.tensor_parallel = tensor_parallel

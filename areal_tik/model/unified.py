@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .fused import FusedProjections, SeparateProjections
+from .fused import FusedProjections, SeparateProjections, fuse_projection_storage
 from .kv_cache import KVCache
 from .layers import decoder_layer, row_parallel_proj
 from .ops import get_ops
@@ -159,6 +159,12 @@ class UnifiedCausalLM:
         spec = self.spec
         return KVCache.allocate(spec.n_layers, num_blocks, block_size, spec.n_kv_heads, spec.head_dim,
                                 dtype=dtype or self.dtype, device=device or self.device, zero=zero)
+
+    def fuse_projections(self) -> int:
+        """Lay out every layer's q/k/v and gate/up weights as adjacent rows of one storage
+        (in place: same Parameter objects and values), so that rollout runs each group as
+        one GEMM (``fused.py``). The engine calls it at start-up. Returns the groups fused."""
+        return fuse_projection_storage(self.hf_model)
 
     # ------------------------------------------------------------------ the stack
 
