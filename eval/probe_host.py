@@ -95,6 +95,7 @@ def build(rows: int, start: int, layers: int, device: str):
     hf = random_model(tiny_config("qwen3", num_hidden_layers=layers, max_position_embeddings=start + rows + 64),
                       device=device, seed=0)
     model = UnifiedCausalLM.from_hf(hf, kernels="unified")
+    model.fuse_projections()  # as the engine lays out its model: rollout's fused q|k|v and gate|up
     block = 64 if device == "cuda" else 16
     n_blocks = -(-(start + rows) // block)
     cache = model.new_kv_cache(n_blocks + 1, block)

@@ -411,6 +411,7 @@ def main(argv=None) -> int:
 
         kind, key = RANDOM_INIT["qwen3-0.6b"]
         model = UnifiedCausalLM.from_hf(random_model(published_config(key), device=DEV, seed=0), kernels="unified")
+        model.fuse_projections()  # the layout the engine gives its model: rollout's fused q|k|v, gate|up
         probe_model(model)
         print(f"  (model done at {time.time() - t0:.0f} s)", flush=True)
         probe_engine(model)  # last: it runs the profiler on the engine's step thread
