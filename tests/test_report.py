@@ -128,8 +128,21 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert row[4] == (f"{rewards[0] / rewards[1]:.3f}x" if rewards[1] else "n/a")
     assert row[6] == tik["summary"]["verdict"] and paper[2] == "1.100x" and paper[4] == "1.000x"
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
+    assert "Runs on a CPU" in page  # the interpreted kernels' throughput is flagged
     summary = json.loads((out / "summary.json").read_text())
     assert math.isclose(summary["rows"][0]["throughput_whole"], expected_ratio(tik, stock, 0))
+
+
+def test_the_cpu_note_follows_the_runs_device(tmp_path):
+    steps = [step(1, 0.5, 100, 1.0), step(2, 0.5, 100, 1.0)]
+    for gpu, expected in (("cpu", True), ("NVIDIA H200", False)):
+        root = tmp_path / gpu
+        for mode in ("tik", "stock"):
+            run = json.loads((write_run(root, mode, steps) / "run.json").read_text())
+            run["metadata"]["gpu"] = gpu
+            (root / "r" / mode / "run.json").write_text(json.dumps(run))
+        assert main(report_args([root], root / "report")) == 0
+        assert ("Runs on a CPU" in (root / "report" / "index.html").read_text()) == expected, gpu
 
 
 def test_a_stock_run_reads_the_rewards_of_its_tik_run(tmp_path):

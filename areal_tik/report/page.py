@@ -26,9 +26,12 @@ def plot_pair(pair: Pair, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ((ax_r, ax_q), (ax_t, ax_p)) = plt.subplots(2, 2, figsize=(11, 7))
-    for mode, run in (("tik", pair.tik), ("stock", pair.stock)):
-        ax_r.plot(*_steps(run, "reward"), marker=".", label=mode)
-        ax_t.plot(*_steps(run, "tokens_per_s"), marker=".", label=mode)
+    # tik as a wide light band, stock as a thin line inside it: equal rewards (the point of
+    # the flag) would otherwise draw one curve exactly over the other and hide it.
+    for mode, run, style in (("tik", pair.tik, dict(color="C0", marker="o", ms=9, lw=6.0, alpha=0.35)),
+                             ("stock", pair.stock, dict(color="C1", marker="x", ms=7, lw=1.5))):
+        ax_r.plot(*_steps(run, "reward"), label=mode, **style)
+        ax_t.plot(*_steps(run, "tokens_per_s"), label=mode, **style)
     ratio = [a["reward"] / b["reward"] if b["reward"] else float("nan")
              for a, b in zip(pair.tik["per_step"], pair.stock["per_step"])]
     ax_q.plot(_steps(pair.tik, "reward")[0], ratio, marker=".", color="k")
@@ -105,7 +108,16 @@ def meta_html(run: dict) -> str:
 
 STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1100px} table{border-collapse:collapse;margin:1em 0}"
          "td,th{border:1px solid #bbb;padding:3px 8px;font-size:13px} tr.mean td{font-weight:bold}"
-         "tr.paper td{color:#555} .meta{font-size:12px;color:#444}")
+         "tr.paper td{color:#555} .meta{font-size:12px;color:#444} .note{color:#8a4b00}")
+
+
+CPU_NOTE = ("<p class='note'>Runs on a CPU: the unified kernels of the tik runs execute under the Triton "
+            "interpreter, so their throughput here says nothing about a GPU (the recipes' throughput "
+            "comparison is a GPU measurement); rewards and audits are meaningful.</p>")
+
+
+def _on_cpu(pairs: list[Pair]) -> bool:
+    return any(str(p.tik.get("metadata", {}).get("gpu", "")).lower() == "cpu" for p in pairs)
 
 
 def write_page(out: Path, pairs: list[Pair], rows: list[dict], means: dict, warmup: int) -> Path:
@@ -123,7 +135,8 @@ def write_page(out: Path, pairs: list[Pair], rows: list[dict], means: dict, warm
             f"<p>Throughput: tokens/s (prompt + generated) over wall step time; steady state leaves out the "
             f"first {warmup} step(s). Reward ratio: tik/stock per step, over steps with a non-zero stock "
             f"reward (spread: standard deviation).</p>"
-            + summary_html(rows, means) + "".join(sections) + "</body></html>")
+            + (CPU_NOTE if _on_cpu(pairs) else "") + summary_html(rows, means) + "".join(sections)
+            + "</body></html>")
     path = out / "index.html"
     path.write_text(page)
     return path
