@@ -81,18 +81,40 @@ def test_fused_projections_equal_separate_bitwise(family):
     assert_bitwise(fused_gu, sep_gu, "gate|up")
 
 
-def test_not_adjacent_falls_back_to_separate():
+def test_not_adjacent_falls_back_to_separate_and_says_so(monkeypatch):
     hf, layer = _layer("qwen3")
     attn = layer.self_attn
     attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone())  # a new storage
     x = torch.randn(3, hf.config.hidden_size).to(torch.bfloat16)
     counting = _CountingOps()
-    with torch.inference_mode():
+    monkeypatch.setattr(fused, "_warned_not_adjacent", False)
+    with torch.inference_mode(), pytest.warns(UserWarning, match="qkv weights are not adjacent"):
         out = FusedProjections.qkv(counting, attn, x)
         ref = SeparateProjections.qkv(get_ops("unified"), attn, x)
     assert len(counting.linears) == 3  # the fallback, not a stale view of the old k
     for name, a, b in zip("qkv", out, ref):
         assert_bitwise(a, b, name)
+
+
+def test_a_forward_autograd_records_runs_separate_and_grads_reach_each_weight():
+    hf, layer = _layer("llama")
+    attn = layer.self_attn
+    x = torch.randn(3, hf.config.hidden_size).to(torch.bfloat16)
+    counting = _CountingOps()
+    q, k, v = FusedProjections.qkv(counting, attn, x)  # grad mode on, weights require grad
+    assert len(counting.linears) == 3
+    (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
+
+
+def test_a_partial_layout_is_said():
+    hf = tiny_hf("llama", tied=False, fresh=True)
+    hf.model.layers[1].mlp.up_proj.weight.data = hf.model.layers[1].mlp.up_proj.weight.data.float()
+    model = UnifiedCausalLM.from_hf(hf, kernels="unified")
+    layers = hf.config.num_hidden_layers
+    with pytest.warns(UserWarning, match=f"{2 * layers - 1} of {2 * layers} q\\|k\\|v and gate\\|up groups"):
+        assert model.fuse_projections() == 2 * layers - 1
 
 
 def test_switch_off_runs_separate(monkeypatch):

@@ -32,6 +32,7 @@ time (TensorDescriptors built per launch), so host-bound eager chunks gain less 
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 
 import torch
@@ -80,10 +81,29 @@ def _group_view(owner: torch.nn.Module, key: str, tensors) -> torch.Tensor | Non
     return view
 
 
+_warned_not_adjacent = False
+
+
+def _warn_not_adjacent(key: str) -> None:
+    # Said once a process: the separate linears give the same bits, only more launches.
+    global _warned_not_adjacent
+    if not _warned_not_adjacent:
+        _warned_not_adjacent = True
+        warnings.warn(f"areal-tik: the {key} weights are not adjacent in memory, so rollout runs them as "
+                      "separate linears (the same bits, more launches); UnifiedCausalLM.fuse_projections() "
+                      "lays them out (the engine does at start-up)", stacklevel=4)
+
+
 def _fused_linear(ops, owner, key, modules, x):
-    """``ops.linear`` over the modules' adjacent weights (and biases): ``[T, sum N_i]``, or None."""
-    weight = _group_view(owner, key + ".weight", [m.weight for m in modules])
+    """``ops.linear`` over the modules' adjacent weights (and biases): ``[T, sum N_i]``, or
+    None (then the caller runs the separate linears): switched off, weights not adjacent, or
+    a forward that autograd records (a fused view would not give each weight its gradient)."""
+    weights = [m.weight for m in modules]
+    if not ENABLED or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+        return None
+    weight = _group_view(owner, key + ".weight", weights)
     if weight is None:
+        _warn_not_adjacent(key)
         return None
     biases = [m.bias for m in modules]
     if all(b is None for b in biases):
@@ -116,7 +136,7 @@ class FusedProjections:
 
     @staticmethod
     def qkv(ops, attn, x):
-        out = _fused_linear(ops, attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x) if ENABLED else None
+        out = _fused_linear(ops, attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj), x)
         if out is None:
             return SeparateProjections.qkv(ops, attn, x)
         nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
@@ -124,7 +144,7 @@ class FusedProjections:
 
     @staticmethod
     def gate_up(ops, mlp, x):
-        out = _fused_linear(ops, mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x) if ENABLED else None
+        out = _fused_linear(ops, mlp, "gate_up", (mlp.gate_proj, mlp.up_proj), x)
         return SeparateProjections.gate_up(ops, mlp, x) if out is None else out
 
 

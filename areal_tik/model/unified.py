@@ -21,6 +21,7 @@ on one ``hf_model`` from two threads at once; ``prefill``/``decode`` do not do t
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import torch
@@ -163,8 +164,16 @@ class UnifiedCausalLM:
     def fuse_projections(self) -> int:
         """Lay out every layer's q/k/v and gate/up weights as adjacent rows of one storage
         (in place: same Parameter objects and values), so that rollout runs each group as
-        one GEMM (``fused.py``). The engine calls it at start-up. Returns the groups fused."""
-        return fuse_projection_storage(self.hf_model)
+        one GEMM (``fused.py``). The engine calls it at start-up. Returns the groups fused;
+        a wrapped or sharded parameter is left alone, and that is said (those layers run
+        their projections as separate linears: the same bits, more launches)."""
+        groups = fuse_projection_storage(self.hf_model)
+        expected = 2 * len(self._base.layers)
+        if groups < expected:
+            warnings.warn(f"areal-tik: {groups} of {expected} q|k|v and gate|up groups laid out as one GEMM "
+                          "each; the others have wrapped or mismatched parameters and run as separate linears",
+                          stacklevel=2)
+        return groups
 
     # ------------------------------------------------------------------ the stack
 

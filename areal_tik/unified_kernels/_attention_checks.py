@@ -46,9 +46,7 @@ def store_fast_ok(k, v, k_cache, v_cache, slot_mapping) -> bool:
         return False
     dtype = k.dtype
     return (dtype in _FLOATS and k.dim() == 3 and v.shape == k.shape and v.dtype is dtype
-            and k_cache.dim() == 4 and k_cache.dtype is dtype and v_cache.dtype is dtype
-            and v_cache.shape == k_cache.shape and k_cache.numel() > 0 and k_cache.shape[2:] == k.shape[1:]
-            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and _caches_ok(k_cache, v_cache, dtype, 1) and k_cache.shape[2:] == k.shape[1:]
             and slot_mapping.dtype is torch.int64 and slot_mapping.dim() == 1
             and slot_mapping.shape[0] == k.shape[0])
 
