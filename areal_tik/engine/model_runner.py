@@ -29,19 +29,6 @@ from .sequence import Sequence, split_step, step_kind
 logger = logging.getLogger(__name__)
 
 
-def _fused_linears(hf) -> set:
-    """The rollout path's fused q|k|v and gate|up GEMMs (model/fused.py), (N, K, has_bias)."""
-    out = set()
-    for layer in getattr(getattr(hf, "model", hf), "layers", ()):
-        groups = ((getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")),
-                  (getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj")))
-        for group in groups:
-            mods = list(group)
-            if all(isinstance(m, torch.nn.Linear) for m in mods):
-                out.add((sum(m.out_features for m in mods), mods[0].in_features, mods[0].bias is not None))
-    return out
-
-
 def warmup_shapes(model, rollout: bool = False):
     """``WarmupShapes`` of a ``UnifiedCausalLM``: every projection weight (the LM head
     aside), its norms, MLP width, heads and LM head. o_proj / down_proj run the model's
@@ -64,8 +51,8 @@ def warmup_shapes(model, rollout: bool = False):
             partials.add((m.out_features, m.in_features, groups // ranks))
         else:
             linears.add(entry + (groups,) if name.endswith(("o_proj", "down_proj")) and groups > 1 else entry)
-    if rollout:
-        linears |= _fused_linears(hf)
+    if rollout and hasattr(model, "rollout_linears"):
+        linears |= model.rollout_linears()
     norms = (spec.hidden, spec.head_dim) if spec.qk_norm else (spec.hidden,)
     head_norms = ((spec.n_heads, spec.head_dim), (spec.n_kv_heads, spec.head_dim)) if spec.qk_norm else ()
     return WarmupShapes(tuple(sorted(linears)), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),

@@ -148,9 +148,26 @@ class FusedProjections:
         return SeparateProjections.gate_up(ops, mlp, x) if out is None else out
 
 
-def _layers(hf_model):
+_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def projection_groups(hf_model) -> list[tuple]:
+    """The module groups rollout fuses, every decoder layer's q/k/v and gate/up, in order:
+    the one place that names them (the layout, the warm-up's GEMM shapes)."""
     base = getattr(hf_model, "model", hf_model)
-    return getattr(base, "layers", ())
+    groups = []
+    for layer in getattr(base, "layers", ()):
+        for parent, names in _GROUPS:
+            owner = getattr(layer, parent, None)
+            if owner is not None and all(isinstance(getattr(owner, n, None), torch.nn.Linear) for n in names):
+                groups.append(tuple(getattr(owner, n) for n in names))
+    return groups
+
+
+def fused_shapes(hf_model) -> set[tuple[int, int, bool]]:
+    """(N, K, has_bias) of the fused GEMMs the rollout path runs (for the warm-up)."""
+    return {(sum(m.out_features for m in mods), mods[0].in_features, mods[0].bias is not None)
+            for mods in projection_groups(hf_model)}
 
 
 @torch.no_grad()
@@ -175,14 +192,8 @@ def fuse_projection_storage(hf_model: torch.nn.Module) -> int:
     rows of one storage each, in place (same Parameter objects, same values). Returns the
     number of groups now adjacent. Idempotent; wrapped parameters are skipped."""
     groups = 0
-    for layer in _layers(hf_model):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is not None and all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")):
-            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-            if _relayout(qkv, "weight"):
-                groups += 1
-                _relayout(qkv, "bias")
-        if mlp is not None and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
-            groups += _relayout((mlp.gate_proj, mlp.up_proj), "weight")
-            _relayout((mlp.gate_proj, mlp.up_proj), "bias")
+    for mods in projection_groups(hf_model):
+        if _relayout(mods, "weight"):
+            groups += 1
+            _relayout(mods, "bias")
     return groups

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .fused import FusedProjections, SeparateProjections, fuse_projection_storage
+from .fused import FusedProjections, SeparateProjections, fuse_projection_storage, fused_shapes, projection_groups
 from .kv_cache import KVCache
 from .layers import decoder_layer, row_parallel_proj
 from .ops import get_ops
@@ -168,12 +168,16 @@ class UnifiedCausalLM:
         a wrapped or sharded parameter is left alone, and that is said (those layers run
         their projections as separate linears: the same bits, more launches)."""
         groups = fuse_projection_storage(self.hf_model)
-        expected = 2 * len(self._base.layers)
+        expected = len(projection_groups(self.hf_model))
         if groups < expected:
             warnings.warn(f"areal-tik: {groups} of {expected} q|k|v and gate|up groups laid out as one GEMM "
                           "each; the others have wrapped or mismatched parameters and run as separate linears",
                           stacklevel=2)
         return groups
+
+    def rollout_linears(self) -> set[tuple[int, int, bool]]:
+        """(N, K, has_bias) of the fused q|k|v and gate|up GEMMs rollout runs (the warm-up's)."""
+        return fused_shapes(self.hf_model)
 
     # ------------------------------------------------------------------ the stack
 
