@@ -2,7 +2,7 @@
 
 Usage (GPU, repo root, after gpu_session.sh's vllm_deps):
     python3 -m eval.bench_vllm [--model qwen3-0.6b] [--shapes 64x256 ...] [--out DIR_OR_CSV]
-    python3 -m eval.bench_vllm --from-json bench_vllm.json     # the table of an earlier run
+    python3 -m eval.bench_vllm --from-json bench_vllm.json     # the tables of an earlier run
 
 One random-initialised checkpoint with a published config (written once to a local
 folder, the way ``areal-tik prepare-model`` writes models; no hub), the rollout
@@ -13,7 +13,9 @@ on vLLM's own site directory: vLLM wants transformers >= 5.5.3, AReaL's site has
 the areal-tik engine on the unified kernels (this process). Start-up (vLLM: engine build
 with weight load, torch.compile and CUDA-graph capture; areal-tik: engine build with graph
 capture, then warm-up generations that compile the Triton kernels) is reported beside the
-steady state. Then the fraction of each engine's sampled-token log-probs, at
+steady state, and a whole-run summary (start-up + warm-up + timed runs over the shapes every
+mode completed, tokens/s and areal-tik's ratios on that basis beside the steady-state ones;
+the JSON's "whole_run"). Then the fraction of each engine's sampled-token log-probs, at
 ``--compare-shape``, that equal the unified packed training forward on the same tokens
 bit for bit (areal_tik.consistency.packed_logprobs / compare). In hardware terms, each
 run's time as a multiple of its bytes-read bound (every weight and every context K/V read
@@ -83,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "areal-tik-bench-vllm"),
                         help="checkpoint and vLLM spec/result files")
     parser.add_argument("--out", default=str(REPO / "eval" / "results"), help="CSV file or folder")
-    parser.add_argument("--from-json", help="print the table of a results JSON written by an earlier run")
+    parser.add_argument("--from-json",
+                        help="print the tables (per shape, whole run) of a results JSON written by an earlier run")
     args = parser.parse_args(argv)
     try:
         args.shapes = [parse_shape(s) for s in args.shapes] if args.shapes else list(FULL_SHAPES)
@@ -278,6 +281,57 @@ def table(report: dict) -> list[str]:
     return lines
 
 
+def whole_run(report: dict) -> dict:
+    """Start-up + warm-up + timed runs per engine mode, over the shapes that every compared mode
+    (every column without an error) completed; a shape one mode skipped is left out of every
+    mode's sum. Tokens/s over that whole run and over the runs alone (steady state), and
+    areal-tik's ratios (its tokens/s over the other mode's) on both bases."""
+    results = report["results"]
+    present = [key for key, _ in COLUMNS if key in results and "error" not in results[key]]
+    times = {key: by_shape(results[key]) for key in present}
+    shapes = [(b, n) for b, n in report["shapes"] if present and all((b, n) in times[k] for k in present)]
+    left_out = [(b, n) for b, n in report["shapes"] if (b, n) not in shapes]
+    tokens = sum(b * n for b, n in shapes)
+    modes = {}
+    for key in present if shapes else []:
+        r = results[key]
+        run_s = sum(times[key][shape] for shape in shapes)
+        whole_s = r["startup_s"] + r["warmup_s"] + run_s
+        modes[key] = {"startup_s": r["startup_s"], "warmup_s": r["warmup_s"], "run_s": run_s,
+                      "whole_s": whole_s, "whole_tokens_per_s": tokens / whole_s,
+                      "steady_tokens_per_s": tokens / run_s}
+    ratios = {}
+    if "areal_tik" in modes:
+        tik = modes["areal_tik"]
+        for k in ("vllm", "vllm_bi", "areal_tik_separate"):
+            if k in modes:
+                ratios["tik/" + RATIO_NAME.get(k, k)] = {
+                    "whole": tik["whole_tokens_per_s"] / modes[k]["whole_tokens_per_s"],
+                    "steady": tik["steady_tokens_per_s"] / modes[k]["steady_tokens_per_s"]}
+    return {"shapes": [list(s) for s in shapes], "left_out": [list(s) for s in left_out], "tokens": tokens,
+            "modes": modes, "ratios": ratios}
+
+
+def whole_run_table(summary: dict) -> list[str]:
+    """The whole-run summary as markdown lines: one row per mode, then areal-tik's ratios."""
+    name = dict(COLUMNS)
+    shapes = ", ".join(f"{b}x{n}" for b, n in summary["shapes"]) or "none"
+    lines = [f"Whole run over the shapes every compared mode completed: {shapes} ({summary['tokens']} tokens)"
+             + (f"; left out: {', '.join(f'{b}x{n}' for b, n in summary['left_out'])}"
+                if summary["left_out"] else "")]
+    if not summary["modes"]:
+        return lines
+    lines += ["", "| engine | start-up s | warm-up s | runs s | whole run s | whole-run tok/s | steady tok/s |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for key, m in summary["modes"].items():
+        lines.append(f"| {name[key]} | {m['startup_s']:.1f} | {m['warmup_s']:.1f} | {m['run_s']:.1f} | "
+                     f"{m['whole_s']:.1f} | {m['whole_tokens_per_s']:.0f} | {m['steady_tokens_per_s']:.0f} |")
+    if summary["ratios"]:
+        lines += ["", "| ratio | whole run | steady state |", "|---|---:|---:|"]
+        lines += [f"| {k} | {r['whole']:.2f} | {r['steady']:.2f} |" for k, r in summary["ratios"].items()]
+    return lines
+
+
 def csv_rows(report: dict, info: dict) -> list[dict]:
     rows = []
     for key, name in COLUMNS:
@@ -305,7 +359,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     deadline = time.monotonic() + args.total_s
     if args.from_json:
-        print("\n".join(table(json.loads(Path(args.from_json).read_text()))))
+        report = json.loads(Path(args.from_json).read_text())
+        print("\n".join(table(report) + [""] + whole_run_table(whole_run(report))))
         return
     import torch
 
@@ -314,7 +369,7 @@ def main(argv=None) -> None:
     from eval.harness import run_info, write_csv
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench_vllm needs a CUDA GPU (--from-json prints an earlier run's table)")
+        raise SystemExit("bench_vllm needs a CUDA GPU (--from-json prints an earlier run's tables)")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = prepare_checkpoint(args.model, workdir)
@@ -348,7 +403,8 @@ def main(argv=None) -> None:
         if "sample" in result:
             sample = result["sample"]
             result["bits"] = dict(compare_sample(model, sample), batch=sample["batch"], new_tokens=sample["new_tokens"])
-    print("\n".join(table(report)))
+    report["whole_run"] = whole_run(report)
+    print("\n".join(table(report) + [""] + whole_run_table(report["whole_run"])))
     csv_path = write_csv(csv_rows(report, info), args.out, "bench_vllm.csv")
     raw = csv_path.with_name(csv_path.stem + ".json")
     raw.write_text(json.dumps(report))

@@ -130,3 +130,56 @@ def test_separate_projections_column_and_ratio(tmp_path, capsys):
     row1 = next(line for line in lines if line.split()[:2] == ["1", "256"]).split()
     assert row1[-1] == "1.50"  # separate 1.5 s over fused 1.0 s
     assert bench_vllm.parse_args(["--engine-separate"]).engine_separate
+
+
+def whole_run_report():
+    """Three shapes; areal-tik skipped 64x256, so every mode's whole run covers 1x256 and 4x512
+    (256 + 2048 = 2304 tokens); vLLM batch-inv. failed and is no compared mode."""
+    runs = lambda **sec: [{"batch": int(k[1:].split("_")[0]), "new_tokens": int(k.split("_")[1]),  # noqa: E731
+                           "seconds": s} for k, s in sec.items()]
+    return {"model": "qwen3-0.6b", "device": "NVIDIA H200", "prompt_len": 128,
+            "shapes": [[1, 256], [64, 256], [4, 512]],
+            "results": {
+                "vllm": {"mode": "default", "startup_s": 60.0, "warmup_s": 4.0, "skipped": [],
+                         "runs": runs(b1_256=2.0, b64_256=4.0, b4_512=6.0)},
+                "vllm_bi": {"mode": "batch_invariant", "error": "no result (exit status 1)"},
+                "areal_tik": {"mode": "areal_tik", "startup_s": 6.0, "warmup_s": 2.0, "skipped": [[64, 256]],
+                              "runs": runs(b1_256=1.0, b4_512=3.0)},
+                "areal_tik_separate": {"mode": "areal_tik_separate", "startup_s": 9.0, "warmup_s": 4.0,
+                                       "skipped": [], "runs": runs(b1_256=1.5, b64_256=2.0, b4_512=3.5)}}}
+
+
+def test_whole_run_sums_start_up_and_the_shapes_every_mode_completed():
+    summary = bench_vllm.whole_run(whole_run_report())
+    assert summary["shapes"] == [[1, 256], [4, 512]] and summary["left_out"] == [[64, 256]]
+    assert summary["tokens"] == 256 + 4 * 512
+    assert list(summary["modes"]) == ["vllm", "areal_tik", "areal_tik_separate"]  # not the failed vllm_bi
+    vllm, tik, sep = (summary["modes"][k] for k in ("vllm", "areal_tik", "areal_tik_separate"))
+    assert (vllm["run_s"], vllm["whole_s"]) == (8.0, 72.0)    # 2 + 6 (not 64x256's 4), + 60 + 4
+    assert (tik["run_s"], tik["whole_s"]) == (4.0, 12.0)      # 1 + 3, + 6 + 2
+    assert (sep["run_s"], sep["whole_s"]) == (5.0, 18.0)      # 1.5 + 3.5, + 9 + 4
+    assert (vllm["whole_tokens_per_s"], vllm["steady_tokens_per_s"]) == (2304 / 72, 2304 / 8)
+    assert (tik["whole_tokens_per_s"], tik["steady_tokens_per_s"]) == (2304 / 12, 2304 / 4)
+    assert set(summary["ratios"]) == {"tik/vllm", "tik/separate"}
+    assert summary["ratios"]["tik/vllm"] == pytest.approx({"whole": 72 / 12, "steady": 8 / 4})
+    assert summary["ratios"]["tik/separate"] == pytest.approx({"whole": 18 / 12, "steady": 5 / 4})
+    # no shape completed by every mode: nothing to sum, no ratio made up
+    report = whole_run_report()
+    report["results"]["areal_tik"]["runs"] = [{"batch": 64, "new_tokens": 256, "seconds": 1.0}]
+    report["results"]["vllm"]["runs"] = report["results"]["vllm"]["runs"][:1]
+    empty = bench_vllm.whole_run(report)
+    assert (empty["shapes"], empty["tokens"], empty["modes"], empty["ratios"]) == ([], 0, {}, {})
+
+
+def test_whole_run_table_from_a_results_file(tmp_path, capsys):
+    path = tmp_path / "bench_vllm.json"
+    path.write_text(json.dumps(whole_run_report()))
+    bench_vllm.main(["--from-json", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert ("Whole run over the shapes every compared mode completed: 1x256, 4x512 (2304 tokens); "
+            "left out: 64x256") in lines
+    assert "| vLLM | 60.0 | 4.0 | 8.0 | 72.0 | 32 | 288 |" in lines
+    assert "| areal-tik | 6.0 | 2.0 | 4.0 | 12.0 | 192 | 576 |" in lines
+    assert "| areal-tik separate | 9.0 | 4.0 | 5.0 | 18.0 | 128 | 461 |" in lines
+    assert "| tik/vllm | 6.00 | 2.00 |" in lines and "| tik/separate | 1.50 | 1.25 |" in lines
+    assert not any(line.startswith("| vLLM batch-inv.") or "vllm_bi |" in line for line in lines)
