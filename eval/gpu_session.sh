@@ -8,7 +8,8 @@
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
-#           optimize_linear (one op per call, longer budgets); run dirs: $OUT/optimize_runs*.tgz
+#           optimize_linear (one op per call, longer budgets; OPT_BUDGET_S, OPT_ARGS e.g. --rounds 7);
+#           run dirs: $OUT/optimize_runs*.tgz
 #           bench_tp (needs 2 GPUs: TP = 2 vs TP = 1 rollout and the training forward, bits and tokens/s)
 #           bench_tp_vocab (the same with the embedding and LM head vocabulary-sharded)
 #           tp_server (3 GPUs: `serve --tensor-parallel-size 2` on GPUs 0-1 vs TP = 1 and training, disk
@@ -129,15 +130,23 @@ for s in $STAGES; do case $s in
   # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
   # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
   bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
+  # RUN_LIMIT (s, default 570) bounds each run: two runs fit one call at about 280 s each. The
+  # run's folder (run.json, logs; not checkpoints) comes back in the call's tarball, so a
+  # machine released between calls loses nothing; "report" over those folders can run here
+  # or afterwards on any machine.
   run_tik_*|run_stock_*) mode=${s#run_}; recipe=${mode#*_}; mode=${mode%%_*}
-            run "$s" 570 python3 -m areal_tik.cli run --recipe "$recipe" --mode "$mode" --out "$RUNS_OUT" ;;
+            run "$s" "${RUN_LIMIT:-570}" python3 -m areal_tik.cli run --recipe "$recipe" --mode "$mode" --out "$RUNS_OUT" \
+                ${RUN_ARGS:-}
+            [ -d "$RUNS_OUT/$recipe/$mode" ] && mkdir -p "$W/runs/$recipe" && \
+              (cd "$RUNS_OUT/$recipe" && find "$mode" -type f -size -20M ! -path '*checkpoint*' ! -name '*.safetensors' \
+                 ! -name '*.pt' ! -name '*.bin' | tar cf - -T -) | tar xf - -C "$W/runs/$recipe" ;;
   report) run report 120 python3 -m areal_tik.cli report "$RUNS_OUT" --out "$W/report"
           (cd "$RUNS_OUT" && find . -name run.json | tar cf - -T -) | tar xf - -C "$W/report" ;;
   optimize) run optimize 570 python3 -m eval.optimize_gpu --out "$OUT" --budget-s attention=240 linear=120 ;;
   optimize_attention) run optimize_attention 570 python3 -m eval.optimize_gpu --out "$OUT/attention" \
-                        --ops attention --budget-s attention=420 ;;
+                        --ops attention --budget-s attention=${OPT_BUDGET_S:-420} ${OPT_ARGS:-} ;;
   optimize_linear) run optimize_linear 570 python3 -m eval.optimize_gpu --out "$OUT/linear" \
-                     --ops linear --budget-s linear=420 ;;
+                     --ops linear --budget-s linear=${OPT_BUDGET_S:-420} ${OPT_ARGS:-} ;;
   # Tensor-parallel rollout on 2 GPUs (Qwen3-1.7B, Llama-3.2-1B configs): bitwise rate vs
   # TP = 1 engine and training forward, tokens/s; with CUDA graphs, then eager if that fails.
   # TP_MODELS picks the models (one per call if both do not fit in 10 minutes).

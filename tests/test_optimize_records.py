@@ -114,6 +114,51 @@ def test_promotion_rule_needs_every_workload_within_the_cap_and_strictly_lower_t
     assert not ok and "not below the incumbent's 26" in reasons[0]
 
 
+def test_cap_skips_only_workloads_running_the_roots_own_launch():
+    root = {"a": 10.0, "b": 10.0}
+    # b over the cap: blocks promotion unless b runs the root's launch
+    ok, reasons, *_ = decide(W, {"a": 5.0, "b": 10.6}, root, root, 1.05, frozenset({"b"}))
+    assert ok and not reasons
+    ok, reasons, *_ = decide(W, {"a": 5.0, "b": 10.6}, root, root, 1.05, frozenset({"a"}))
+    assert not ok and reasons == ["b: 1.060x the root's latency (cap 1.05x)"]
+    # the exempt workload's time still counts in T
+    ok, reasons, t_c, *_ = decide(W, {"a": 9.0, "b": 11.0}, root, root, 1.05, frozenset({"b"}))
+    assert not ok and t_c == 9.0 + 22.0 and "not below the incumbent" in reasons[0]
+
+
+def test_same_launch_workloads_follow_the_ops_table_and_fields():
+    from areal_tik.optimize.evaluator import same_launch_workloads
+    from areal_tik.optimize.op_attention import AttentionOp
+    from areal_tik.optimize.op_linear import LinearOp, group_key
+    from areal_tik.optimize.records import Candidate
+
+    lin = LinearOp("tiny")
+    ws = lin.workloads("tiny")
+    w0 = ws[0]
+    key = group_key(w0.params["m"], w0.params["n"], w0.params["k"])
+    cand = Candidate("c1", "root", "config", {}, {key: {}}, proposer="manual")
+    same = same_launch_workloads(lin, cand, {}, ws)
+    changed = {w.name for w in ws if group_key(w.params["m"], w.params["n"], w.params["k"]) == key}
+    assert w0.name in changed and same == {w.name for w in ws} - changed
+    # a source candidate is new code everywhere
+    src = Candidate("c2", "root", "source", {}, {}, proposer="agent")
+    assert same_launch_workloads(lin, src, {}, ws) == frozenset()
+
+    att = AttentionOp("tiny")
+    aws = att.workloads("tiny")
+    root = att.normalise(att.root_config())
+    kinds = {w.name: w.kind for w in aws}
+    assert {"decode", "prefill"} <= set(kinds.values())
+
+    def cand_of(**delta):
+        return Candidate("c3", "root", "config", delta, att.apply(root, delta), proposer="manual")
+    same = same_launch_workloads(att, cand_of(stages_decode=root["stages_decode"] + 1), root, aws)
+    assert same == {n for n, k in kinds.items() if k != "decode"}
+    same = same_launch_workloads(att, cand_of(stages_prefill=root["stages_prefill"] + 1), root, aws)
+    assert same == {n for n, k in kinds.items() if k == "decode"}
+    assert same_launch_workloads(att, cand_of(unmasked_loop=not root["unmasked_loop"]), root, aws) == frozenset()
+
+
 def _audit(run, key, cand, incumbent, promotable):
     audit = Audit(key, cand, incumbent, True, promotable, [] if promotable else ["slow"], {}, [],
                   8.0, 10.0, 10.0, 3, 0.1, run.config.evaluator_hash, run.config.workloads_hash)

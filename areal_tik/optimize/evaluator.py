@@ -41,21 +41,42 @@ def make_op(name: str, grid: str):
     raise ValueError(f"op must be one of {OPS}, got {name!r}")
 
 
-def decide(workloads, cand: dict, inc: dict, root: dict, cap: float) -> tuple[bool, list, float, float, float]:
+def decide(workloads, cand: dict, inc: dict, root: dict, cap: float,
+           same_launch=frozenset()) -> tuple[bool, list, float, float, float]:
     """The promotion rule on one paired run: every workload within ``cap`` x the root's
     latency, and T = sum c_w * latency_w strictly below the incumbent's T.
-    Returns (promotable, reasons, T_candidate, T_incumbent, T_root)."""
+
+    ``same_launch`` names the workloads where the candidate launches exactly the root's
+    kernel with the root's options (``same_launch_workloads``): there the code timed is the
+    root's, a ratio over the cap is the timing's spread, and the cap is not applied
+    (their times still count in T). Returns (promotable, reasons, T_candidate,
+    T_incumbent, T_root)."""
     reasons = []
     t_c = sum(w.coefficient * cand[w.name] for w in workloads)
     t_i = sum(w.coefficient * inc[w.name] for w in workloads)
     t_r = sum(w.coefficient * root[w.name] for w in workloads)
     for w in workloads:
-        if cand[w.name] > cap * root[w.name]:
+        if w.name not in same_launch and cand[w.name] > cap * root[w.name]:
             reasons.append(f"{w.name}: {cand[w.name] / root[w.name]:.3f}x the root's latency "
                            f"(cap {cap:.2f}x)")
     if not t_c < t_i:
         reasons.append(f"T = {t_c:.6g} is not below the incumbent's {t_i:.6g}")
     return not reasons, reasons, t_c, t_i, t_r
+
+
+def same_launch_workloads(op, cand, root_config: dict, workloads) -> frozenset:
+    """The workloads a config candidate cannot change: its config differs from the root's
+    only in fields or table entries that ``op.affects`` says do not reach the workload's
+    launch (a linear group of another row bucket or shape; decode stages on a prefill).
+    The gate's dispatch check has already shown that the candidate's launches carry its
+    config. A source candidate changes code, so it has none."""
+    if cand.kind == "source":
+        return frozenset()
+    diff = {k: v for k, v in cand.config.items() if root_config.get(k) != v}
+    diff.update({k: None for k in root_config if k not in cand.config})
+    if not diff:
+        return frozenset(w.name for w in workloads)
+    return frozenset(w.name for w in workloads if not op.affects(diff, w))
 
 
 @contextlib.contextmanager
@@ -206,15 +227,18 @@ class Evaluator:
                     reasons = failures
                     if not failures:
                         passed = True
+                        same = same_launch_workloads(self.op, cand, self.run.config.root_config,
+                                                     self.workloads)
                         rows = [{"name": w.name, "coefficient": w.coefficient,
                                  "candidate_us": times[w.name]["candidate"],
                                  "incumbent_us": times[w.name]["incumbent"],
-                                 "root_us": times[w.name]["root"]} for w in self.workloads]
+                                 "root_us": times[w.name]["root"],
+                                 "same_launch": w.name in same} for w in self.workloads]
                         cand_t = {n: t["candidate"] for n, t in times.items()}
                         inc_t = {n: t["incumbent"] for n, t in times.items()}
                         root_t = {n: t["root"] for n, t in times.items()}
                         promotable, reasons, *totals = decide(self.workloads, cand_t, inc_t, root_t,
-                                                              self.run.config.cap)
+                                                              self.run.config.cap, same)
         except Exception as e:  # binding, build, crash, timeout: a failed audit with its reason
             tail = traceback.format_exception_only(type(e), e)[-1].strip()
             reasons = [f"{type(e).__name__}: {tail[:500]}"]

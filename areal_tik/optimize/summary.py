@@ -53,7 +53,8 @@ def summarize(run: RunDir) -> dict:
         out["shown_audit"] = {"id": audit.id, "candidate": audit.candidate,
                               "t_root_over_t": audit.t_root / audit.t_candidate}
         out["workloads"] = [{"name": r["name"], "over_root": r["candidate_us"] / r["root_us"],
-                             "root_us": r["root_us"], "candidate_us": r["candidate_us"]} for r in audit.workloads]
+                             "root_us": r["root_us"], "candidate_us": r["candidate_us"],
+                             "same_launch": r.get("same_launch", False)} for r in audit.workloads]
     return out
 
 
@@ -72,5 +73,6 @@ def format_summary(s: dict) -> str:
                      f"(T(root)/T = {a['t_root_over_t']:.4f}):")
     for row in s["workloads"]:
         lines.append(f"    {row['name']:<28} candidate/root {row['over_root']:.3f}  "
-                     f"({row['root_us']:.1f} -> {row['candidate_us']:.1f} us)")
+                     f"({row['root_us']:.1f} -> {row['candidate_us']:.1f} us)"
+                     f"{'  [root launch]' if row.get('same_launch') else ''}")
     return "\n".join(lines)
