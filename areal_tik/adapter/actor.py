@@ -161,7 +161,11 @@ class TikFSDPPPOActor(FSDPPPOActor):
 
         max_rows = getattr(self.config.mb_spec, "max_tokens_per_mb", None) or 16384
         start = time.perf_counter()
-        counts = warmup(warmup_shapes(self.tik_model), max_rows=int(max_rows), device=self.tik_model.device,
+        # The compute dtype, not the fp32 master parameters' (warming fp32 variants compiled
+        # kernels no step runs, and the fp32 attention backward at head_dim 128 asks 288 KiB
+        # of shared memory: the Qwen2.5-1.5B recipe stopped there on the H200).
+        shapes = warmup_shapes(self.tik_model, dtype=getattr(torch, self.config.dtype))
+        counts = warmup(shapes, max_rows=int(max_rows), device=self.tik_model.device,
                         training=True, sampling=False)
         logger.info("areal-tik: training kernels compiled for up to %d tokens in %.1f s (%s)",
                     max_rows, time.perf_counter() - start, counts)

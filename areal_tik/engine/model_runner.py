@@ -29,12 +29,15 @@ from .sequence import Sequence, split_step, step_kind
 logger = logging.getLogger(__name__)
 
 
-def warmup_shapes(model, rollout: bool = False):
+def warmup_shapes(model, rollout: bool = False, dtype: torch.dtype | None = None):
     """``WarmupShapes`` of a ``UnifiedCausalLM``: every projection weight (the LM head
     aside), its norms, MLP width, heads and LM head. o_proj / down_proj run the model's
     K-group tree (``k_groups``): on one device a linear with it, on a tensor-parallel
     rank the ``linear_partial`` of the rank's subtree (other kernel keys, so listed so).
-    ``rollout``: also the fused q|k|v and gate|up GEMMs the rollout path runs."""
+    ``rollout``: also the fused q|k|v and gate|up GEMMs the rollout path runs.
+    ``dtype``: the dtype the forward computes in, when it is not the parameters' own
+    (AReaL's FSDP engine keeps fp32 master parameters and unshards them in its
+    ``dtype``, bf16, for the forward); default: the LM head weight's dtype."""
     from areal_tik.unified_kernels import WarmupShapes
 
     spec, hf = model.config, model.hf_model
@@ -56,7 +59,7 @@ def warmup_shapes(model, rollout: bool = False):
     norms = (spec.hidden, spec.head_dim) if spec.qk_norm else (spec.hidden,)
     head_norms = ((spec.n_heads, spec.head_dim), (spec.n_kv_heads, spec.head_dim)) if spec.qk_norm else ()
     return WarmupShapes(tuple(sorted(linears)), norms, (spec.intermediate,), (spec.n_heads, spec.n_kv_heads, spec.head_dim),
-                        tuple(lm.shape), dtype=lm.dtype, partials=tuple(sorted(partials)), head_norms=head_norms)
+                        tuple(lm.shape), dtype=dtype or lm.dtype, partials=tuple(sorted(partials)), head_norms=head_norms)
 
 
 @dataclass
