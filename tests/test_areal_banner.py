@@ -23,10 +23,10 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _banner(unified_kernels: bool) -> list[str]:
+def _banner(unified_kernels: bool, **tik) -> list[str]:
     config = TikPPOActorConfig(experiment_name="e", trial_name="t", path="unused", backend="fsdp:d1",
                                unified_kernels=unified_kernels, recompute_logprob=True,
-                               use_decoupled_loss=False)
+                               use_decoupled_loss=False, **tik)
     handler = _Lines()
     ppo_actor.logger.addHandler(handler)
     try:
@@ -42,9 +42,14 @@ def test_the_recompute_banner_is_annotated_only_with_the_flag():
     assert banner.REUSE_NOTE not in stock
     with apply_patches():
         on, off = _banner(True), _banner(False)
+        # a recipe's stock mode: the flag on, reuse off in the config; the recompute runs
+        no_reuse = _banner(True, tik_reuse_logprobs=False)
+        standard = _banner(True, tik_kernels="standard", tik_reuse_logprobs=False)
     recomputed = next(i for i, line in enumerate(on) if "RECOMPUTED" in line)
     assert on[-1] == banner.REUSE_NOTE and recomputed < len(on) - 1
     assert banner.REUSE_NOTE not in off
+    assert banner.REUSE_NOTE not in no_reuse and banner.REUSE_NOTE not in standard
+    assert any("RECOMPUTED" in line for line in standard)
     assert _banner(True) == stock  # reverted
 
 

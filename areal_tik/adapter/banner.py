@@ -4,7 +4,9 @@
 - ``PPOActor._log_configuration`` prints ``old_logp (π_old): RECOMPUTED from current
   policy`` (or ``Proximal policy (π_prox): RECOMPUTED via forward pass`` when decoupled)
   from ``recompute_logprob``; with the flag on, the run reuses the rollout's log-probs
-  instead, so one note follows the banner saying so.
+  instead, so one note follows the banner saying so (not when the config itself turns
+  reuse off: ``tik_reuse_logprobs`` false or ``tik_kernels`` standard, as in a recipe's
+  stock mode, where the recompute the banner names does run).
 - ``StatsLogger.commit`` prints ``Epoch 1/1 Step 1/32 Train step 1/32 done.`` for a run of
   ``total_train_steps=3``: both 32s are the batches of the dataset's epoch (its
   ``FinetuneSpec``), not the run's length. The line is rewritten to lead with the train
@@ -54,7 +56,9 @@ def wrap_log_configuration(original):
     @functools.wraps(original)
     def _log_configuration(self):
         original(self)
-        if getattr(self.config, "unified_kernels", False):
+        c = self.config  # the recipes' stock mode keeps the flag on with reuse off
+        if (getattr(c, "unified_kernels", False) and getattr(c, "tik_reuse_logprobs", True)
+                and getattr(c, "tik_kernels", "unified") == "unified"):
             from areal.trainer.ppo import actor as ppo_actor
 
             ppo_actor.logger.info(REUSE_NOTE)
