@@ -286,7 +286,7 @@ def test_gpu_table_selection(monkeypatch):
     where TMA can run and every SM gets >= 2 tiles."""
     monkeypatch.setattr(L, "interpreting", lambda: False)
 
-    def pick(m, n, k=2048, **kw):
+    def pick(m, n, k=1536, **kw):  # K = 1536: no promoted entry (``_TUNED_BF16``) has it
         cfg = L.linear_config(m, n, k, torch.bfloat16, sms=132, **kw)
         return cfg.block_m, cfg.block_n, cfg.num_stages, "P" if cfg.persistent else "T"
 
@@ -301,6 +301,43 @@ def test_gpu_table_selection(monkeypatch):
     assert pick(16384, 6144, tma=False) == pick(16384, 6144, k=1004) == (256, 128, 3, "T")
     monkeypatch.setattr(L, "FIXED_TILE", True)
     assert pick(16384, 6144) == (64, 128, 4, "T")
+
+
+def test_promoted_entries_take_precedence_only_where_the_search_timed_them(monkeypatch):
+    """``_TUNED_BF16`` (a promoted audit of the search): its shapes at its row buckets up
+    to 4096 rows on a 132-SM GPU; the ladder everywhere else. Every entry is a config
+    whose bits the contract proves (the ladders' and the candidates')."""
+    T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(T, "interpreting", lambda: False)
+    bf16 = torch.bfloat16
+    proven = {cfg for _, ladder in T._GPU_BUCKETS[bf16] for cfg, _, _ in ladder} | set(T._GPU_CANDIDATES[bf16])
+    assert T._TUNED_BF16 and set(T._TUNED_BF16.values()) <= proven
+    assert set(T._TUNED_BF16.values()) <= set(L.linear_candidates(bf16))
+    limits = [m for m, _ in T._GPU_BUCKETS[bf16]]
+    # (rows, n, k, tma, sms) -> whether the promoted entry must be chosen
+    cases = {}
+    for (max_rows, n, k), cfg in T._TUNED_BF16.items():
+        low = limits[limits.index(max_rows) - 1] + 1 if max_rows != limits[0] else 1
+        high = max_rows if max_rows is not None else T._TUNED_MAX_ROWS
+        for rows in (low, high):
+            cases[(rows, n, k, True, 132)] = cfg
+            cases[(rows, n, k, True, 114)] = None  # another GPU: the ladder
+            cases[(rows, n, k, False, 132)] = None if cfg.persistent else cfg  # no TMA: no persistent entry
+        if max_rows is None:
+            cases[(T._TUNED_MAX_ROWS + 1, n, k, True, 132)] = None  # past the timed rows: the ladder
+        cases[(64, n, k + 64, True, 132)] = None  # a shape the search did not see
+
+    def pick(table):
+        monkeypatch.setattr(T, "_TUNED_BF16", table)
+        T._select.cache_clear()
+        return {c: L.linear_config(c[0], c[1], c[2], bf16, tma=c[3], sms=c[4]) for c in cases}
+    chosen, ladder = pick(dict(T._TUNED_BF16)), pick({})
+    T._select.cache_clear()
+    for case, want in cases.items():
+        assert chosen[case] == (want if want is not None else ladder[case]), case
+    assert sum(want is not None for want in cases.values()) >= 2 * len(T._TUNED_BF16)
+    assert L.linear_config(64, 1024, 2048, torch.float32, sms=132) == L.linear_config(64, 1024, 2048, torch.float32, sms=114)
 
 
 def test_launch_metadata_names_the_launch():

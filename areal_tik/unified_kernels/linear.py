@@ -77,7 +77,8 @@ FIXED_TILE = os.environ.get("AREAL_TIK_LINEAR_FIXED_TILE", "0") == "1"
 
 def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
                   sms: int | None = None, k_groups: int = 1) -> TileConfig:
-    """Launch config for ``rows`` rows of a ``[n, k]`` weight: the bucket's ladder, or the fixed tile.
+    """Launch config for ``rows`` rows of a ``[n, k]`` weight: an entry the search promoted
+    for this shape (``_linear_tiles.tuned``), else the bucket's ladder; or the fixed tile.
 
     ``tma`` says whether the persistent TMA kernel can run (default: judged from n and k
     for contiguous operands); when False, persistent rungs are skipped. ``sms``: the
@@ -89,7 +90,7 @@ def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | Non
     if sms is None:
         cuda = not interpreting() and torch.cuda.is_available()
         sms = _device_info(torch.cuda.current_device())[1] if cuda else _REFERENCE_SMS
-    return tree_tile(_select(rows, n, dtype, tma, sms, FIXED_TILE, interpreting()), k_groups)
+    return tree_tile(_select(rows, n, k, dtype, tma, sms, FIXED_TILE, interpreting()), k_groups)
 
 
 def tma_compatible(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
