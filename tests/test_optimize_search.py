@@ -5,7 +5,7 @@ it won. The timing source in the last two tests is a fake (``FakeTimingEvaluator
 table of latencies by config, no kernel timed); the gate and the bits are real."""
 
 from areal_tik.optimize import evaluator
-from areal_tik.optimize.op_linear import group_key
+from areal_tik.optimize.op_linear import LinearOp, group_key
 from areal_tik.optimize.proposers import Mechanical, SearchConfig
 
 WIN, LOSE = "24x32", "40x48"  # the tiny linear grid's two weight shapes (N x K)
@@ -113,3 +113,41 @@ def test_a_cap_broken_where_the_candidate_changes_the_launch_blocks(tmp_path):
     first = run.all("audits")[0]
     assert first.passed and not first.promotable and first.reasons[0].startswith("tiny.a.m5: 1.120x")
     assert run.state().best == "root"
+
+
+class CrashingEvaluator(FakeTimingEvaluator):
+    """As FakeTimingEvaluator, but a candidate whose config sets ``group`` to ``bad``
+    crashes on that group's workloads (as an out-of-shared-memory compile does)."""
+
+    def __init__(self, run, factor, group, bad):
+        super().__init__(run, factor)
+        self.group, self.bad = group, bad
+
+    def time(self, impls, workloads, seed, rounds=None):
+        cand = impls["candidate"]
+        hit = [w.name for w in workloads if cand.config.get(self.group) == self.bad
+               and group_key(w.params["m"], w.params["n"], w.params["k"]) == self.group]
+        if hit:
+            return {}, [f"{hit[0]}: candidate crashed: OutOfResources: out of resource: shared memory"]
+        return super().time(impls, workloads, seed, rounds)
+
+
+def test_a_crashed_move_is_not_proposed_again_where_it_would_launch_the_same_kernel(tmp_path):
+    run = evaluator.init_run(tmp_path / "run", "linear", "tiny", coefficients="uniform")
+    moves = LinearOp("tiny").moves({})
+    (group, bad), = moves[0].items()
+    other = next(m for m in moves if group not in m)  # a move of another group
+    ev = CrashingEvaluator(run, {WIN: 1.0, LOSE: 1.0}, group, bad)
+    search = Mechanical(run, ev, SearchConfig(budget_s=60), log=_quiet)
+    root = run.get("candidates", "root")
+    crash = evaluator.propose(run, ev.op, delta={group: bad}, proposer="mechanical")
+    assert search._screen(crash, root, ev.workloads, 0) is None
+    (opp,) = [o for o in run.state().opportunities if o["kind"] == "infeasible"]
+    assert opp["source"] == crash.id and opp["config"] == crash.config
+    # the same entry on a parent that differs only in another group: not proposed again
+    parent = evaluator.propose(run, ev.op, delta=other, proposer="mechanical")
+    moved = search._propose([parent], root, 1)
+    assert moved and not any(c.config.get(group) == bad for c in moved)
+    # that entry with a different geometry of the same group is still proposed
+    assert any(group in c.config and c.config[group] != bad for c in moved)
+    assert not search.infeasible(parent.config) and search.infeasible(ev.op.apply(parent.config, {group: bad}))

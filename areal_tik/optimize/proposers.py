@@ -20,6 +20,9 @@ state and no later move touches that knob (the contract fixes it; the attention 
 8443ba9 found kv_split so). An audit that passes the gate but breaks the per-workload
 cap yields a restricted candidate (``op.restrict``): the delta cut down to the table
 entries whose every workload was faster than the root in that audit, audited next.
+A move that crashes (at the H200 at 796df79: out of shared memory, ten times, the same three
+moves from different parents) records an "infeasible" opportunity, and a later move whose
+config would launch that same kernel on the crashed workload is not proposed.
 """
 from __future__ import annotations
 
@@ -101,6 +104,20 @@ class Mechanical:
     def closed(self) -> set:
         return {o["knob"] for o in self.run.state().opportunities if o.get("kind") == "closed knob"}
 
+    def infeasible(self, config: dict) -> bool:
+        """Would ``config`` launch, on a workload where an earlier candidate crashed (out of
+        shared memory, say), exactly that candidate's kernel? Then it crashes there too:
+        its config differs from the crashed one only in fields or entries that do not
+        reach that workload's launch (``op.affects``)."""
+        names = {w.name: w for w in self.ev.workloads}
+        for o in self.run.state().opportunities:
+            if o.get("kind") != "infeasible":
+                continue
+            diff = {**_diff(o["config"], config), **{k: None for k in o["config"] if k not in config}}
+            if any(n in names and not self.op.affects(diff, names[n]) for n in o["workloads"]):
+                return True
+        return False
+
     def _propose(self, parents, incumbent, gen) -> list:
         tried = {str(c.config) for c in self.run.all("candidates") if c.kind != "source"}
         closed, out = self.closed(), []
@@ -109,7 +126,7 @@ class Mechanical:
                 if self.run.state().budget["candidates_used"] >= self.cfg.max_candidates:
                     return out
                 config = self.op.apply(parent.config, delta)
-                if str(config) in tried or closed & set(self.op.closed_knobs(delta)):
+                if str(config) in tried or closed & set(self.op.closed_knobs(delta)) or self.infeasible(config):
                     continue
                 out.append(propose(self.run, self.op, delta=delta, parent=parent.id, proposer="mechanical",
                                    note=f"generation {gen}: move {delta} from {parent.id}",
@@ -167,6 +184,9 @@ class Mechanical:
                             time.time() - start)
             if any("differ in bits" in f for f in failures):
                 self._close(cand, failures[0])
+            crashed = [f.split(":", 1)[0] for f in failures if ": candidate crashed: " in f]
+            if crashed:
+                self._infeasible(cand, crashed, failures[0])
             return None
         self.ev.spend(time.time() - start)
         ref = "incumbent" if "incumbent" in impls else "root"
@@ -191,6 +211,18 @@ class Mechanical:
                     self.run.event("opportunity", note=state.opportunities[-1]["note"], kind="closed knob")
                     self.log(f"  closed knob {knob} ({cand.id}: {reason[:120]})")
             self.run.save_state(state)
+
+    def _infeasible(self, cand, workloads: list, reason: str) -> None:
+        """Record a config that crashed on ``workloads``: later moves that would launch the
+        same kernel there are not proposed (``infeasible``)."""
+        with self.run.locked():
+            state = self.run.state()
+            state.opportunities.append({
+                "kind": "infeasible", "config": cand.config, "source": cand.id, "workloads": workloads,
+                "note": f"{cand.id} {cand.delta} crashed: {reason[:200]}"})
+            self.run.event("opportunity", note=state.opportunities[-1]["note"], kind="infeasible")
+            self.run.save_state(state)
+        self.log(f"  infeasible {cand.id} {str(cand.delta)[:120]} on {workloads[:3]}")
 
     def _note(self, cand_id, note, status=None) -> None:
         with self.run.locked():
