@@ -1,6 +1,8 @@
 """``areal-tik report``: pairing, refusals and the summary table against hand-computed
-values from run files, then (slow) the offline report built from two real tiny CPU runs
-of ``areal-tik run`` (flag on and off) with its table checked against their run files."""
+values from run files (old ones without the process timing too), the reward-ratio panel,
+the process timing ``run_one`` writes, then (slow) the offline report built from two real
+tiny CPU runs of ``areal-tik run`` (flag on and off) with its table checked against their
+run files."""
 from __future__ import annotations
 
 import json
@@ -92,9 +94,8 @@ def expected_ratio(tik: dict, stock: dict, first: int) -> float:
 def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     # ~3.5 min on the shared 2-core CPU machine (user time 70 s): the tik run's training
     # step on the Triton interpreter is most of it; one step of 2x2 samples of 2 tokens.
-    from areal_tik.model.checkpoints import make_tiny_checkpoint
-
-    model = make_tiny_checkpoint(tmp_path / "tiny", num_hidden_layers=1)
+    # The checkpoint is missing: the tik run (first) writes it, the stock run finds it.
+    model = tmp_path / "tiny"
     overrides = [f"++actor.path={model}", "++total_train_steps=1", "++train_dataset.batch_size=2",
                  "++gconfig.n_samples=2", "++gconfig.max_new_tokens=2", "++task.size=16",
                  "++task.instruction=", "++task.reward=areal_tik.adapter.tasks.shaped_reward_fn"]
@@ -110,6 +111,12 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert tik["summary"]["reuse_active"] and not stock["summary"]["reuse_active"]
     assert tik["per_step"][0]["phases"]["recompute_logp"] == 0.0 < stock["per_step"][0]["phases"]["recompute_logp"]
     assert tik["per_step"][0]["tik"]["audit_passed"] == 1.0
+    assert tik["checkpoint_seconds"] > 0 and stock["checkpoint_seconds"] == 0.0
+    for run in (tik, stock):  # the process outside its steps: AReaL init, model load, warm-up
+        steps = sum(s["step_seconds"] for s in run["per_step"])
+        assert run["process_seconds"] > run["checkpoint_seconds"] + steps > 0
+        assert run["startup_seconds"] == pytest.approx(
+            run["process_seconds"] - run["checkpoint_seconds"] - steps, rel=0, abs=1e-9)
     for mode, run in (("tik", tik), ("stock", stock)):  # the offline W&B run of each mode
         (wandb_file,) = (runs / "chain_sum_grpo_tiny_cpu" / mode).rglob("*.wandb")
         logged = wandb_file.read_bytes()
@@ -124,9 +131,13 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     (row, mean, paper) = table_cells(page)
     assert row[0] == "chain_sum_grpo_tiny_cpu" and row[1] == "1"
     assert row[2] == f"{expected_ratio(tik, stock, 0):.3f}x" == row[3] == mean[2]
+    rate = lambda run: (sum(s["tokens"] for s in run["per_step"])  # noqa: E731
+                        / (run["process_seconds"] - run["checkpoint_seconds"]))
+    process = rate(tik) / rate(stock)
+    assert row[4] == f"{process:.3f}x" == mean[4]
     rewards = (tik["per_step"][0]["reward"], stock["per_step"][0]["reward"])
-    assert row[4] == (f"{rewards[0] / rewards[1]:.3f}x" if rewards[1] else "n/a")
-    assert row[6] == tik["summary"]["verdict"] and paper[2] == "1.100x" and paper[4] == "1.000x"
+    assert row[5] == (f"{rewards[0] / rewards[1]:.3f}x" if rewards[1] else "n/a")
+    assert row[7] == tik["summary"]["verdict"] and paper[2] == "1.100x" and paper[5] == "1.000x"
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
     assert "Runs on a CPU" in page  # the interpreted kernels' throughput is flagged
     summary = json.loads((out / "summary.json").read_text())
@@ -153,3 +164,109 @@ def test_a_stock_run_reads_the_rewards_of_its_tik_run(tmp_path):
     assert paired_rewards(stock_folder, "stock", "same") == [0.5, 0.75]
     assert paired_rewards(stock_folder, "stock", "other") == []  # another config: no ratio
     assert paired_rewards(tmp_path / "r" / "tik", "tik", "same") == []
+
+
+def timed_run(root: Path, mode: str, steps: list[dict], process: float, checkpoint: float, **kw) -> Path:
+    folder = write_run(root, mode, steps, **kw)
+    run = json.loads((folder / "run.json").read_text())
+    run.update(process_seconds=process, checkpoint_seconds=checkpoint,
+               startup_seconds=process - checkpoint - sum(s["step_seconds"] for s in steps))
+    (folder / "run.json").write_text(json.dumps(run))
+    return folder
+
+
+def test_whole_process_ratio_is_the_hand_computed_one_and_old_files_give_na(tmp_path):
+    # recipe a: tik 700 tokens, 20 s of process of which 5 s wrote the checkpoint; stock
+    # 300 tokens in 14 s. recipe b: run files written before the process timing existed.
+    timed_run(tmp_path, "tik", [step(1, 0.5, 100, 10.0), step(2, 0.6, 600, 3.0)], 20.0, 5.0, recipe="a")
+    timed_run(tmp_path, "stock", [step(1, 0.5, 100, 10.0), step(2, 0.4, 200, 2.0)], 14.0, 0.0, recipe="a")
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="b")
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 2.0)], recipe="b")
+    (a, b), means = summary_table(pair_runs(load_runs([tmp_path])), warmup=1)
+    assert a["throughput_process"] == pytest.approx((700 / 15) / (300 / 14))
+    assert a["throughput_whole"] == pytest.approx((700 / 13) / (300 / 12))  # unchanged beside it
+    assert (a["startup_seconds_tik"], a["startup_seconds_stock"]) == (2.0, 2.0)
+    assert math.isnan(b["throughput_process"]) and math.isnan(b["startup_seconds_tik"])
+    assert b["throughput_whole"] == pytest.approx(2.0)  # old files still report the rest
+    assert means["throughput_process"] == a["throughput_process"] and means["throughput_process_configurations"] == 1
+
+    out = tmp_path / "out"
+    assert main(report_args([tmp_path], out)) == 0
+    page = (out / "index.html").read_text()
+    row_a, row_b, mean, paper = table_cells(page)
+    assert row_a[4] == f"{(700 / 15) / (300 / 14):.3f}x" and row_b[4] == "n/a"
+    assert mean[4] == f"{(700 / 15) / (300 / 14):.3f}x (over 1)" and paper[4] == "" and paper[5] == "1.000x"
+    assert "tik 2.0 s of 20.0 s (and 5.0 s writing the checkpoint, not counted); stock 2.0 s of 14.0 s" in page
+    assert "tik n/a (no process timing in its run file)" in page
+    assert "whole process: all tokens over the process's wall time" in page
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rows"][0]["throughput_process"] == pytest.approx((700 / 15) / (300 / 14))
+    assert math.isnan(summary["rows"][1]["throughput_process"])
+    assert summary["means"]["throughput_process"] == pytest.approx((700 / 15) / (300 / 14))
+
+
+def test_the_ratio_panel_says_so_when_no_stock_reward_is_non_zero(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from areal_tik.report.page import NO_RATIO, draw_reward_ratio, plot_pair
+    from areal_tik.report.runs import Pair
+
+    def pair(stock_rewards):
+        tik = {"mode": "tik", "per_step": [step(i, 0.5, 100, 1.0) for i in (1, 2, 3)]}
+        stock = {"mode": "stock", "per_step": [step(i, r, 100, 1.0) for i, r in enumerate(stock_rewards, start=1)]}
+        return Pair("r", tik, stock)
+
+    fig, (empty, drawn) = plt.subplots(1, 2)
+    draw_reward_ratio(empty, pair([0.0, 0.0, 0.0]))
+    draw_reward_ratio(drawn, pair([0.0, 0.25, 0.5]))
+    assert [t.get_text() for t in empty.texts] == [NO_RATIO] and not empty.lines
+    assert list(drawn.texts) == []
+    ratio_line = drawn.lines[0]
+    assert list(ratio_line.get_xdata()) == [1, 2, 3]
+    assert math.isnan(ratio_line.get_ydata()[0]) and list(ratio_line.get_ydata()[1:]) == [2.0, 1.0]
+    plt.close(fig)
+    assert plot_pair(pair([0.0, 0.0, 0.0]), tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_run_one_writes_the_process_and_checkpoint_seconds(tmp_path, spmd_env, monkeypatch):
+    # The training is a stand-in (0.3 s, two steps of 0.1 s and 0.15 s); config loading and
+    # writing the checkpoint are the real ones, each made 0.2 s slower so the test sees
+    # which part of the process each number covers.
+    import time
+
+    from areal_tik.adapter import demo, run
+    from areal_tik.model import checkpoints
+
+    def slower(fn):
+        def wrapped(*args, **kwargs):
+            time.sleep(0.2)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    class State:
+        def summary(self):
+            return {"verdict": "none"}
+
+    def train(config, metadata, tik_rewards=()):
+        time.sleep(0.3)
+        return [{"bench/step_seconds": 0.1, "ppo_actor/n_tokens": 10.0},
+                {"bench/step_seconds": 0.15, "ppo_actor/n_tokens": 20.0}], State()
+
+    monkeypatch.setattr(demo, "load_config", slower(demo.load_config))
+    monkeypatch.setattr(checkpoints, "make_tiny_checkpoint", slower(checkpoints.make_tiny_checkpoint))
+    monkeypatch.setattr(run, "train_tracked", train)
+    model = tmp_path / "tiny"
+    overrides = [f"++actor.path={model}"]
+    recipe = "chain_sum_grpo_tiny_cpu"
+    first = json.loads(run.run_one(recipe, "tik", tmp_path / "runs", "g", overrides).read_text())
+    assert (model / "config.json").is_file()  # the first run wrote the missing checkpoint
+    second = json.loads(run.run_one(recipe, "stock", tmp_path / "runs", "g", overrides).read_text())
+    assert first["checkpoint_seconds"] >= 0.2 and second["checkpoint_seconds"] == 0.0
+    for record in (first, second):
+        # two config loads (0.4 s) and the training (0.3 s) besides the checkpoint
+        assert record["process_seconds"] - record["checkpoint_seconds"] >= 0.7
+        assert record["startup_seconds"] == pytest.approx(
+            record["process_seconds"] - record["checkpoint_seconds"] - 0.25, rel=0, abs=1e-12)

@@ -13,7 +13,8 @@ Overrides come last (after the options).
 - ``both``: ``tik`` then ``stock``, each in its own process, same seeds, data and
   overrides, one W&B group.
 
-Each run writes ``<out>/<recipe>/<mode>/run.json`` (``run_file``) and logs to W&B through
+Each run writes ``<out>/<recipe>/<mode>/run.json`` (``run_file``: also the seconds of
+the whole process and of writing a missing checkpoint) and logs to W&B through
 AReaL's stats logger (offline unless ``stats_logger.wandb.mode=online``), with the run's
 metadata in the W&B config under ``areal_tik`` (a stock run after its tik run also logs
 ``tik_run/reward_ratio`` per step). A missing checkpoint directory
@@ -25,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from . import recipes
@@ -51,10 +53,12 @@ def run_overrides(recipe: str, mode: str, folder: Path, group: str) -> list[str]
             f"++stats_logger.wandb.job_type={mode}", f"++stats_logger.wandb.tags=[{recipe},{mode}]"]
 
 
-def ensure_model(card: recipes.RecipeCard, path: str) -> None:
-    """Write the checkpoint directory ``path`` of ``card``'s model if it has none."""
+def ensure_model(card: recipes.RecipeCard, path: str) -> float:
+    """Write the checkpoint directory ``path`` of ``card``'s model if it has none; the
+    seconds that took (0.0 when it existed)."""
     if (Path(path) / "config.json").is_file():
-        return
+        return 0.0
+    start = time.perf_counter()
     from areal_tik.model import checkpoints, published_config, smollm2_path
 
     if card.model == recipes.SMOLLM2:
@@ -66,6 +70,7 @@ def ensure_model(card: recipes.RecipeCard, path: str) -> None:
         shape = published_config(card.model, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
         checkpoints.random_checkpoint(path, shape, tokenizer, seed=0)
+    return time.perf_counter() - start
 
 
 def paired_rewards(folder: Path, mode: str, digest: str) -> list[float]:
@@ -124,7 +129,9 @@ def train_tracked(config, metadata: dict, tik_rewards: list[float] = ()):
 
 
 def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -> Path:
-    """One mode of recipe ``name`` in this process; returns its run file."""
+    """One mode of recipe ``name`` in this process; returns its run file (with the
+    process's seconds from here to just before writing it, and the checkpoint's)."""
+    start = time.perf_counter()
     from . import patch_list
     from .demo import load_config
     from .launch import spmd_environment
@@ -136,12 +143,14 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     with patch_list.apply():
         asked = load_config(path, overrides)  # the recipe as asked: what both modes share
         config = load_config(path, overrides + mode_overrides(mode) + run_overrides(name, mode, folder, group))
-        ensure_model(card, config.actor.path)
+        checkpoint_seconds = ensure_model(card, config.actor.path)
         metadata = run_metadata(name, mode, config.actor.tik_kernels)
         digest = config_digest(asked)
         history, state = train_tracked(config, metadata, paired_rewards(folder, mode, digest))
-    return write_run_file(folder, recipe=name, mode=mode, config=config, digest=digest,
-                          group=group, metadata=metadata, history=history, summary=state.summary())
+    summary = state.summary()
+    return write_run_file(folder, recipe=name, mode=mode, config=config, digest=digest, group=group,
+                          metadata=metadata, history=history, summary=summary,
+                          process_seconds=time.perf_counter() - start, checkpoint_seconds=checkpoint_seconds)
 
 
 def add_arguments(parser) -> None:

@@ -8,7 +8,17 @@
      "metadata": {commit, gpu, driver, torch, triton, cuda, transformers, areal,
                   kernel_set, recipe, mode, date},
      "summary": the audit/reuse summary, "per_step": [{"step", "reward", "tokens",
-     "generated_tokens", "step_seconds", "tokens_per_s", "phases": {...}, "tik": {...}}]}
+     "generated_tokens", "step_seconds", "tokens_per_s", "phases": {...}, "tik": {...}}],
+     "process_seconds": wall time of the run from the start of ``run_one`` (before config
+     loading and the checkpoint check) to just before this file is written,
+     "checkpoint_seconds": of it, writing a missing checkpoint (0 when it existed: a
+     one-time preparation only the first run of a pair pays),
+     "startup_seconds": process_seconds - checkpoint_seconds - the steps' step_seconds
+     (start-up and teardown outside the steps: AReaL init, model load, the kernels'
+     device qualification, compilation warm-up, CUDA graph capture)}
+
+Files written before the three timing keys existed lack them (same format); the report
+shows "n/a" for what needs them.
 
 ``derived_metrics`` adds ``tik_run/*`` rates to each step's stats before AReaL's stats
 logger commits them, so W&B carries the same tokens/s the run file does.
@@ -100,13 +110,17 @@ def step_record(step: int, stats: dict) -> dict:
 
 
 def write_run_file(folder: Path, *, recipe: str, mode: str, config, digest: str, group: str,
-                   metadata: dict, history: list[dict], summary: dict) -> Path:
+                   metadata: dict, history: list[dict], summary: dict, process_seconds: float,
+                   checkpoint_seconds: float) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    per_step = [step_record(i, h) for i, h in enumerate(history, start=1)]
     record = {
         "format": FORMAT, "recipe": recipe, "mode": mode,
         "seeds": {"seed": config.seed, "task_seed": config.task.seed},
         "steps": len(history), "config_digest": digest, "group": group, "metadata": metadata,
-        "summary": summary, "per_step": [step_record(i, h) for i, h in enumerate(history, start=1)],
+        "summary": summary, "per_step": per_step,
+        "process_seconds": process_seconds, "checkpoint_seconds": checkpoint_seconds,
+        "startup_seconds": process_seconds - checkpoint_seconds - sum(s["step_seconds"] for s in per_step),
     }
     path = folder / RUN_FILE
     path.write_text(json.dumps(record, indent=1, default=str, allow_nan=True))

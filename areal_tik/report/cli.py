@@ -29,10 +29,12 @@ def main(args) -> int:
     (out / "summary.json").write_text(json.dumps({"rows": rows, "means": means}, indent=1))
     for r in rows:
         print(f"{r['recipe']}: throughput {fmt(r['throughput_whole'])} whole, {fmt(r['throughput_steady'])} "
-              f"steady; reward ratio {fmt(r['reward_ratio_mean'])} +/- {fmt(r['reward_ratio_spread'], '')}; "
+              f"steady, {fmt(r['throughput_process'])} whole process; reward ratio {fmt(r['reward_ratio_mean'])} "
+              f"+/- {fmt(r['reward_ratio_spread'], '')}; "
               f"audit: {r['audit']}")
     print(f"mean over {len(rows)}: throughput {fmt(means['throughput_whole'])} whole, "
-          f"{fmt(means['throughput_steady'])} steady (paper 1.10x); reward ratio "
+          f"{fmt(means['throughput_steady'])} steady, {fmt(means['throughput_process'])} whole process "
+          f"(over {means['throughput_process_configurations']}) (paper 1.10x); reward ratio "
           f"{fmt(means['reward_ratio_mean'])} (paper 1.00x)")
     print(f"wrote {page}")
     if args.wandb_project:

@@ -19,6 +19,25 @@ def _steps(run: dict, key: str) -> tuple[list[int], list[float]]:
     return [s["step"] for s in run["per_step"]], [s[key] for s in run["per_step"]]
 
 
+NO_RATIO = "no step with a non-zero stock reward,\nso no reward ratio"
+
+
+def draw_reward_ratio(ax, pair: Pair) -> None:
+    """tik/stock reward per step; where no step has a non-zero stock reward (random-weight
+    models reward 0 throughout), a text saying so instead of an empty axis."""
+    if not any(s["reward"] != 0 and not math.isnan(s["reward"]) for s in pair.stock["per_step"]):
+        steps = _steps(pair.stock, "reward")[0]
+        ax.text(0.5, 0.5, NO_RATIO, transform=ax.transAxes, ha="center", va="center", color="#555")
+        ax.set_yticks([])
+        if steps:
+            ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+        return
+    ratio = [a["reward"] / b["reward"] if b["reward"] else float("nan")
+             for a, b in zip(pair.tik["per_step"], pair.stock["per_step"])]
+    ax.plot(_steps(pair.tik, "reward")[0], ratio, marker=".", color="k")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+
+
 def plot_pair(pair: Pair, path: Path) -> Path:
     import matplotlib
 
@@ -32,10 +51,7 @@ def plot_pair(pair: Pair, path: Path) -> Path:
                              ("stock", pair.stock, dict(color="C1", marker="x", ms=7, lw=1.5))):
         ax_r.plot(*_steps(run, "reward"), label=mode, **style)
         ax_t.plot(*_steps(run, "tokens_per_s"), label=mode, **style)
-    ratio = [a["reward"] / b["reward"] if b["reward"] else float("nan")
-             for a, b in zip(pair.tik["per_step"], pair.stock["per_step"])]
-    ax_q.plot(_steps(pair.tik, "reward")[0], ratio, marker=".", color="k")
-    ax_q.axhline(1.0, color="grey", lw=0.8, ls="--")
+    draw_reward_ratio(ax_q, pair)
     phases = list(pair.tik["per_step"][0]["phases"])
     for col, mode_run in enumerate((pair.tik, pair.stock)):
         bottom = 0.0
@@ -62,12 +78,13 @@ def plot_pair(pair: Pair, path: Path) -> Path:
 
 SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole", "throughput tik/stock (whole run)"),
                    ("throughput_steady", "throughput tik/stock (steady state)"),
+                   ("throughput_process", "throughput tik/stock (whole process)"),
                    ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
                    ("audit", "audit"))
 
 
 def _cell(key: str, value) -> str:
-    if key in ("throughput_whole", "throughput_steady", "reward_ratio_mean"):
+    if key in ("throughput_whole", "throughput_steady", "throughput_process", "reward_ratio_mean"):
         return fmt(value)
     if key == "reward_ratio_spread":
         return fmt(value, "")
@@ -78,11 +95,13 @@ def summary_html(rows: list[dict], means: dict) -> str:
     head = "".join(f"<th>{html.escape(label)}</th>" for _, label in SUMMARY_COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{_cell(k, r[k])}</td>" for k, _ in SUMMARY_COLUMNS) + "</tr>"
                    for r in rows)
+    having = means["throughput_process_configurations"]
+    process = fmt(means["throughput_process"]) + (f" (over {having})" if 0 < having < len(rows) else "")
     mean = (f"<tr class='mean'><td>mean over {len(rows)} configurations</td><td></td>"
             f"<td>{fmt(means['throughput_whole'])}</td><td>{fmt(means['throughput_steady'])}</td>"
-            f"<td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td></tr>"
+            f"<td>{process}</td><td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td></tr>"
             f"<tr class='paper'><td>paper (H20)</td><td></td><td>{fmt(means['paper_throughput'])}</td><td></td>"
-            f"<td>{fmt(means['paper_reward'])}</td><td></td><td></td></tr>")
+            f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td></tr>")
     return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>"
 
 
@@ -97,6 +116,23 @@ def audit_html(pair: Pair) -> str:
                    for s in pair.tik["per_step"])
     return ("<table><tr><th>step</th><th>audit passed</th><th>bitwise fraction</th><th>tokens reused</th>"
             f"<th>tokens recomputed</th></tr>{rows}</table>")
+
+
+def _seconds(run: dict, key: str) -> str:
+    value = run.get(key)
+    return "n/a" if value is None or math.isnan(value) else f"{value:.1f} s"
+
+
+def startup_html(pair: Pair) -> str:
+    """Each mode's seconds outside the steps (start-up and teardown), of its process's."""
+    def mode(run: dict) -> str:
+        if run.get("process_seconds") is None:
+            return f"{html.escape(run['mode'])} n/a (no process timing in its run file)"
+        written = run.get("checkpoint_seconds") or 0.0
+        return (f"{html.escape(run['mode'])} {_seconds(run, 'startup_seconds')} of {_seconds(run, 'process_seconds')}"
+                + (f" (and {written:.1f} s writing the checkpoint, not counted)" if written > 0 else ""))
+    return ("<p>start-up and teardown (process seconds outside the steps, without writing a missing "
+            f"checkpoint): {mode(pair.tik)}; {mode(pair.stock)}</p>")
 
 
 def meta_html(run: dict) -> str:
@@ -129,12 +165,15 @@ def write_page(out: Path, pairs: list[Pair], rows: list[dict], means: dict, warm
             f"<h2>{html.escape(pair.recipe)}</h2><img src='{png.name}' width='880'>"
             f"<p>audit: {html.escape(str(row['audit']))} ({row['audited_tokens']} tokens compared); "
             f"W&amp;B group {html.escape(str(pair.tik.get('group')))}</p>"
-            + audit_html(pair) + meta_html(pair.tik) + meta_html(pair.stock))
+            + startup_html(pair) + audit_html(pair) + meta_html(pair.tik) + meta_html(pair.stock))
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>areal-tik comparison</title>"
             f"<style>{STYLE}</style></head><body><h1>areal-tik: flag on (tik) vs stock path</h1>"
-            f"<p>Throughput: tokens/s (prompt + generated) over wall step time; steady state leaves out the "
-            f"first {warmup} step(s). Reward ratio: tik/stock per step, over steps with a non-zero stock "
-            f"reward (spread: standard deviation).</p>"
+            f"<p>Throughput: tokens/s (prompt + generated), tik over stock. Whole run: all tokens over the "
+            f"sum of the wall step times; steady state: the same leaving out the first {warmup} step(s); whole "
+            f"process: all tokens over the process's wall time, start-up and teardown included (AReaL init, "
+            f"model load, the kernels' device qualification, compilation warm-up, CUDA graph capture), "
+            f"writing a missing checkpoint left out (n/a for run files without that timing). Reward ratio: "
+            f"tik/stock per step, over steps with a non-zero stock reward (spread: standard deviation).</p>"
             + (CPU_NOTE if _on_cpu(pairs) else "") + summary_html(rows, means) + "".join(sections)
             + "</body></html>")
     path = out / "index.html"

@@ -2,7 +2,9 @@
 
 Per recipe: the throughput ratio tik/stock of tokens per second (prompt + generated
 tokens over wall step time), over the whole run and over the steady state (steps after
-``warmup``); the reward ratio tik/stock per step, its mean and spread (population std)
+``warmup``), and over the whole process (all tokens over the process's seconds less
+writing a missing checkpoint: start-up and teardown count; n/a for run files without
+the timing); the reward ratio tik/stock per step, its mean and spread (population std)
 over the steps where the stock reward is non-zero. Then the means over the recipes, next
 to the paper's 1.10x throughput and 1.00x reward ratio.
 """
@@ -93,6 +95,20 @@ def tokens_per_second(steps: list[dict]) -> float:
     return sum(s["tokens"] for s in steps) / seconds if steps and seconds > 0 else float("nan")
 
 
+def process_tokens_per_second(run: dict) -> float:
+    """All tokens over the process's seconds less the checkpoint's; NaN for a run file
+    without them."""
+    if run.get("process_seconds") is None or run.get("checkpoint_seconds") is None:
+        return float("nan")
+    seconds = run["process_seconds"] - run["checkpoint_seconds"]
+    return sum(s["tokens"] for s in run["per_step"]) / seconds if seconds > 0 else float("nan")
+
+
+def startup_seconds(run: dict) -> float:
+    value = run.get("startup_seconds")
+    return float("nan") if value is None else value
+
+
 def reward_ratios(tik: dict, stock: dict) -> list[float]:
     """tik/stock reward per step, leaving out steps where the stock reward is 0."""
     return [a["reward"] / b["reward"] for a, b in zip(tik["per_step"], stock["per_step"])
@@ -117,6 +133,8 @@ def summary_row(pair: Pair, warmup: int) -> dict:
         "recipe": pair.recipe, "steps": pair.tik["steps"], "warmup": warmup,
         "throughput_whole": tokens_per_second(tik) / tokens_per_second(stock),
         "throughput_steady": tokens_per_second(tik[warmup:]) / tokens_per_second(stock[warmup:]),
+        "throughput_process": process_tokens_per_second(pair.tik) / process_tokens_per_second(pair.stock),
+        "startup_seconds_tik": startup_seconds(pair.tik), "startup_seconds_stock": startup_seconds(pair.stock),
         "reward_tik": _mean([s["reward"] for s in tik]), "reward_stock": _mean([s["reward"] for s in stock]),
         "reward_ratio_mean": _mean(ratios), "reward_ratio_spread": _spread(ratios),
         "reward_ratio_steps": len(ratios),
@@ -125,8 +143,10 @@ def summary_row(pair: Pair, warmup: int) -> dict:
 
 
 def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
-    """Rows per recipe and the means over recipes (NaN cells left out of the means)."""
+    """Rows per recipe and the means over recipes (NaN cells left out of the means;
+    ``throughput_process_configurations``: how many rows that mean has)."""
     rows = [summary_row(p, warmup) for p in pairs]
     means = {key: _mean([r[key] for r in rows])
-             for key in ("throughput_whole", "throughput_steady", "reward_ratio_mean")}
+             for key in ("throughput_whole", "throughput_steady", "throughput_process", "reward_ratio_mean")}
+    means["throughput_process_configurations"] = sum(not math.isnan(r["throughput_process"]) for r in rows)
     return rows, {**means, "paper_throughput": PAPER_THROUGHPUT, "paper_reward": PAPER_REWARD}
