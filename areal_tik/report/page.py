@@ -68,7 +68,8 @@ def plot_pair(pair: Pair, path: Path) -> Path:
     ax_t.set(title="tokens/s (prompt + generated)", xlabel="step")
     ax_p.set(title="mean seconds per step by phase")
     ax_r.legend()
-    ax_p.legend(fontsize=7)
+    ax_p.set_xlim(-0.5, 2.6)  # room on the right for the legend: it would cover the tik bar
+    ax_p.legend(fontsize=7, loc="upper right")
     fig.suptitle(pair.recipe)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
