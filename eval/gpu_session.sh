@@ -6,6 +6,7 @@
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
+#           pair_<recipe> (tik then, if time is left, stock of one recipe in one call)
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets; OPT_BUDGET_S, OPT_ARGS e.g. --rounds 7);
@@ -49,6 +50,14 @@ run() {  # run NAME TIMEOUT CMD...
   log "$name"
   timeout "$limit" "$@" > "$W/$name.log" 2>&1; local rc=$?
   tail -n 25 "$W/$name.log"; log "$name rc=$rc"
+}
+recipe_run() {  # recipe_run MODE RECIPE LIMIT: one mode of a recipes/ recipe, its folder into $W/runs
+  local mode=$1 recipe=$2
+  run "run_${mode}_$recipe" "$3" python3 -m areal_tik.cli run --recipe "$recipe" --mode "$mode" --out "$RUNS_OUT" \
+      ${RUN_ARGS:-}
+  [ -d "$RUNS_OUT/$recipe/$mode" ] && mkdir -p "$W/runs/$recipe" && \
+    (cd "$RUNS_OUT/$recipe" && find "$mode" -type f -size -20M ! -path '*checkpoint*' ! -name '*.safetensors' \
+       ! -name '*.pt' ! -name '*.bin' | tar cf - -T -) | tar xf - -C "$W/runs/$recipe"
 }
 for s in $STAGES; do case $s in
   env) run env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"' ;;
@@ -130,16 +139,20 @@ for s in $STAGES; do case $s in
   # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
   # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
   bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
-  # RUN_LIMIT (s, default 570) bounds each run: two runs fit one call at about 280 s each. The
-  # run's folder (run.json, logs; not checkpoints) comes back in the call's tarball, so a
-  # machine released between calls loses nothing; "report" over those folders can run here
-  # or afterwards on any machine.
+  # RUN_LIMIT (s, default 570) bounds each run. The run's folder (run.json, logs; not
+  # checkpoints) comes back in the call's tarball, so a machine released between calls loses
+  # nothing; "report" over those folders can run here or afterwards on any machine.
   run_tik_*|run_stock_*) mode=${s#run_}; recipe=${mode#*_}; mode=${mode%%_*}
-            run "$s" "${RUN_LIMIT:-570}" python3 -m areal_tik.cli run --recipe "$recipe" --mode "$mode" --out "$RUNS_OUT" \
-                ${RUN_ARGS:-}
-            [ -d "$RUNS_OUT/$recipe/$mode" ] && mkdir -p "$W/runs/$recipe" && \
-              (cd "$RUNS_OUT/$recipe" && find "$mode" -type f -size -20M ! -path '*checkpoint*' ! -name '*.safetensors' \
-                 ! -name '*.pt' ! -name '*.bin' | tar cf - -T -) | tar xf - -C "$W/runs/$recipe" ;;
+            recipe_run "$mode" "$recipe" "${RUN_LIMIT:-570}" ;;
+  # Both modes of one recipe in one call: tik, then stock only if at least PAIR_MIN s (default
+  # 150) of PAIR_BUDGET (default 575) are left for it (a run cut by its limit writes no run.json,
+  # so one that cannot finish is not started; the H200 at 796df79: SmolLM2 tik 193 s + stock
+  # 172 s; Llama-3.2-1B 162 + 98 s, the tik runs writing the checkpoint).
+  pair_*) recipe=${s#pair_}; t0=$SECONDS
+          recipe_run tik "$recipe" "${RUN_LIMIT:-400}"
+          left=$(( ${PAIR_BUDGET:-575} - (SECONDS - t0) ))
+          if [ "$left" -ge "${PAIR_MIN:-150}" ]; then recipe_run stock "$recipe" "$left"
+          else log "pair_$recipe: stock not started, ${left} s left (PAIR_MIN ${PAIR_MIN:-150})"; fi ;;
   report) run report 120 python3 -m areal_tik.cli report "$RUNS_OUT" --out "$W/report"
           (cd "$RUNS_OUT" && find . -name run.json | tar cf - -T -) | tar xf - -C "$W/report" ;;
   optimize) run optimize 570 python3 -m eval.optimize_gpu --out "$OUT" --budget-s attention=240 linear=120 ;;
