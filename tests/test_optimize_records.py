@@ -157,6 +157,8 @@ def test_same_launch_workloads_follow_the_ops_table_and_fields():
     same = same_launch_workloads(att, cand_of(stages_prefill=root["stages_prefill"] + 1), root, aws)
     assert same == {n for n, k in kinds.items() if k == "decode"}
     assert same_launch_workloads(att, cand_of(unmasked_loop=not root["unmasked_loop"]), root, aws) == frozenset()
+    same_as_root = Candidate("c4", "root", "config", {}, dict(root), proposer="manual")
+    assert same_launch_workloads(att, same_as_root, root, aws) == set(kinds)  # affects({}) is False
 
 
 def _audit(run, key, cand, incumbent, promotable):

@@ -20,7 +20,7 @@ import torch
 
 from . import binding, timing
 from .checks import CheckFailed, run_gate
-from .ops import OPS, load_source, workloads_from_json, workloads_hash
+from .ops import OPS, changed_entries, load_source, workloads_from_json, workloads_hash
 from .records import Action, Audit, Best, Candidate, Lineage, RunConfig, RunDir, RunError
 
 
@@ -72,10 +72,7 @@ def same_launch_workloads(op, cand, root_config: dict, workloads) -> frozenset:
     config. A source candidate changes code, so it has none."""
     if cand.kind == "source":
         return frozenset()
-    diff = {k: v for k, v in cand.config.items() if root_config.get(k) != v}
-    diff.update({k: None for k in root_config if k not in cand.config})
-    if not diff:
-        return frozenset(w.name for w in workloads)
+    diff = changed_entries(root_config, cand.config)
     return frozenset(w.name for w in workloads if not op.affects(diff, w))
 
 

@@ -192,6 +192,8 @@ class AttentionOp(Op):
         return list(delta) if len(delta) == 1 else []
 
     def affects(self, delta, w) -> bool:
+        if not delta:  # the same config: the same launch everywhere
+            return False
         if set(delta) <= {"stages_decode"}:
             return w.kind == "decode"
         if set(delta) <= {"stages_prefill", "prefill_subtiles"}:

@@ -114,6 +114,13 @@ class Op:
         return True
 
 
+def changed_entries(base: dict, config: dict) -> dict:
+    """The fields or table entries in which ``config`` differs from ``base`` (both full,
+    normalised configs): changed ones with their new value, removed ones as None. What
+    ``Op.affects`` is asked about when two configs' launches are compared."""
+    return {**{k: v for k, v in config.items() if base.get(k) != v}, **{k: None for k in base if k not in config}}
+
+
 def restrict_groups(delta: dict, winners: set, workloads, key) -> dict:
     """For table configs: ``delta`` cut to the table keys whose every workload (``key(w)``)
     is in ``winners``; the other keys fall back to the kernel's table (the root's).

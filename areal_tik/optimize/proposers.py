@@ -32,6 +32,7 @@ import random
 import time
 
 from .evaluator import Evaluator, deadline, promote, propose
+from .ops import changed_entries
 from .records import RunDir, RunError
 
 
@@ -104,29 +105,30 @@ class Mechanical:
     def closed(self) -> set:
         return {o["knob"] for o in self.run.state().opportunities if o.get("kind") == "closed knob"}
 
-    def infeasible(self, config: dict) -> bool:
+    def crashed(self) -> list:
+        return [o for o in self.run.state().opportunities if o.get("kind") == "infeasible"]
+
+    def infeasible(self, config: dict, crashed=None) -> bool:
         """Would ``config`` launch, on a workload where an earlier candidate crashed (out of
         shared memory, say), exactly that candidate's kernel? Then it crashes there too:
         its config differs from the crashed one only in fields or entries that do not
         reach that workload's launch (``op.affects``)."""
         names = {w.name: w for w in self.ev.workloads}
-        for o in self.run.state().opportunities:
-            if o.get("kind") != "infeasible":
-                continue
-            diff = {**_diff(o["config"], config), **{k: None for k in o["config"] if k not in config}}
+        for o in self.crashed() if crashed is None else crashed:
+            diff = changed_entries(o["config"], config)
             if any(n in names and not self.op.affects(diff, names[n]) for n in o["workloads"]):
                 return True
         return False
 
     def _propose(self, parents, incumbent, gen) -> list:
         tried = {str(c.config) for c in self.run.all("candidates") if c.kind != "source"}
-        closed, out = self.closed(), []
+        closed, crashed, out = self.closed(), self.crashed(), []
         for parent in parents:
             for delta in self.op.moves(parent.config):
                 if self.run.state().budget["candidates_used"] >= self.cfg.max_candidates:
                     return out
                 config = self.op.apply(parent.config, delta)
-                if str(config) in tried or closed & set(self.op.closed_knobs(delta)) or self.infeasible(config):
+                if str(config) in tried or closed & set(self.op.closed_knobs(delta)) or self.infeasible(config, crashed):
                     continue
                 out.append(propose(self.run, self.op, delta=delta, parent=parent.id, proposer="mechanical",
                                    note=f"generation {gen}: move {delta} from {parent.id}",
@@ -292,9 +294,10 @@ class Mechanical:
         when its losses (the per-workload cap) lie on other entries than its wins."""
         winners = {r["name"] for r in audit.workloads if r["candidate_us"] < r["root_us"]}
         full = _diff(incumbent.config, cand.config)
-        over = [r["name"] for r in audit.workloads if r["candidate_us"] > self.run.config.cap * r["root_us"]]
+        over = [r["name"] for r in audit.workloads if r["candidate_us"] > self.run.config.cap * r["root_us"]
+                and not r.get("same_launch")]  # the cap was not applied there (``decide``)
         untouched = [w.name for w in self.ev.workloads if w.name in over and not self.op.affects(full, w)]
-        if untouched:  # the root's own launch there: the timing's spread, not the candidate
+        if untouched:  # the incumbent's launch there (the root's were exempted): the timing's spread
             self._note(cand.id, f"{audit.id}: over the cap on workloads it does not change {untouched}")
             self.log(f"  {cand.id}: over the cap only through the timing spread on {untouched}"
                      if len(untouched) == len(over) else f"  {cand.id}: over the cap also on {untouched}, "
