@@ -83,3 +83,27 @@ def test_the_modes_differ_only_in_kernels_reuse_and_recompute():
                                      "++actor.tik_reuse_logprobs=true"]
     assert mode_overrides("stock") == ["++actor.unified_kernels=true", "++actor.tik_kernels=standard",
                                        "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true"]
+
+
+def test_every_recipe_builds_its_task_and_its_verifier_accepts_the_tasks_answers(loaded):
+    """Each recipe's task (name + its own params: a fragment's mapping would merge into
+    it key by key) builds through reasoning-gym, and the recipe's reward function scores
+    the task's own answer 1.0 and a wrong one 0.0. The H200 run of
+    gsm_symbolic_grpo_qwen3_0_6b stopped here before any step, on basic_arithmetic's
+    min_terms inherited from _gpu.yaml."""
+    import dataclasses
+
+    from areal.utils.dynamic_import import import_from_string
+
+    from areal_tik.adapter.tasks import rl_dataset
+
+    for name, config in loaded.items():
+        task = dataclasses.replace(config.task, size=3)
+        rows = rl_dataset(task, "train")
+        assert len(rows) == 3, name
+        reward = import_from_string(task.reward)
+        for row in rows:
+            fields = dict(prompt="", prompt_ids=[], completion_ids=[], answer=row["answer"],
+                          task=row["task"], entry=row["entry"])
+            assert reward(completion=f"{row['answer']}<|im_end|>", **fields) == 1.0, (name, row)
+            assert reward(completion="no answer here<|im_end|>", **fields) == 0.0, (name, row)
