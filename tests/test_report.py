@@ -128,7 +128,8 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     out = tmp_path / "report"
     assert main(report_args([runs], out, warmup=0)) == 0
     page = (out / "index.html").read_text()
-    (row, mean, paper) = table_cells(page)
+    (row, mean, real_mean, paper) = table_cells(page)
+    assert real_mean[5] == "n/a"  # no real-weight recipe among the tiny CPU runs
     assert row[0] == "chain_sum_grpo_tiny_cpu" and row[1] == "1"
     assert row[2] == f"{expected_ratio(tik, stock, 0):.3f}x" == row[3] == mean[2]
     rate = lambda run: (sum(s["tokens"] for s in run["per_step"])  # noqa: E731
@@ -193,7 +194,8 @@ def test_whole_process_ratio_is_the_hand_computed_one_and_old_files_give_na(tmp_
     out = tmp_path / "out"
     assert main(report_args([tmp_path], out)) == 0
     page = (out / "index.html").read_text()
-    row_a, row_b, mean, paper = table_cells(page)
+    row_a, row_b, mean, real_mean, paper = table_cells(page)
+    assert real_mean[0].startswith("mean over the 0 real-weight configurations")
     assert row_a[4] == f"{(700 / 15) / (300 / 14):.3f}x" and row_b[4] == "n/a"
     assert mean[4] == f"{(700 / 15) / (300 / 14):.3f}x (over 1)" and paper[4] == "" and paper[5] == "1.000x"
     assert "tik 2.0 s of 20.0 s (and 5.0 s writing the checkpoint, not counted); stock 2.0 s of 14.0 s" in page
@@ -270,3 +272,17 @@ def test_run_one_writes_the_process_and_checkpoint_seconds(tmp_path, spmd_env, m
         assert record["process_seconds"] - record["checkpoint_seconds"] >= 0.7
         assert record["startup_seconds"] == pytest.approx(
             record["process_seconds"] - record["checkpoint_seconds"] - 0.25, rel=0, abs=1e-12)
+
+
+def test_the_reward_ratio_target_is_averaged_over_the_real_weight_recipes_only(tmp_path):
+    # a random-weight recipe whose stock run got one lucky reward: ratio 0 there
+    write_run(tmp_path, "tik", [step(1, 0.0, 100, 1.0)], recipe="basic_arithmetic_drgrpo_qwen2_5_1_5b")
+    write_run(tmp_path, "stock", [step(1, 0.1, 100, 1.0)], recipe="basic_arithmetic_drgrpo_qwen2_5_1_5b")
+    write_run(tmp_path, "tik", [step(1, 0.6, 100, 1.0)], recipe="basic_arithmetic_grpo_smollm2")
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.0)], recipe="basic_arithmetic_grpo_smollm2")
+    rows, means = summary_table(pair_runs(load_runs([tmp_path])), warmup=0)
+    assert {r["recipe"]: r["real_weights"] for r in rows} == {
+        "basic_arithmetic_drgrpo_qwen2_5_1_5b": False, "basic_arithmetic_grpo_smollm2": True}
+    assert means["reward_ratio_mean"] == pytest.approx(0.6)  # (0 + 1.2) / 2
+    assert means["reward_ratio_mean_real"] == pytest.approx(1.2)
+    assert means["reward_ratio_real_configurations"] == 1

@@ -35,7 +35,8 @@ def main(args) -> int:
     print(f"mean over {len(rows)}: throughput {fmt(means['throughput_whole'])} whole, "
           f"{fmt(means['throughput_steady'])} steady, {fmt(means['throughput_process'])} whole process "
           f"(over {means['throughput_process_configurations']}) (paper 1.10x); reward ratio "
-          f"{fmt(means['reward_ratio_mean'])} (paper 1.00x)")
+          f"{fmt(means['reward_ratio_mean'])}, over the {means['reward_ratio_real_configurations']} with real "
+          f"weights {fmt(means['reward_ratio_mean_real'])} (paper 1.00x)")
     print(f"wrote {page}")
     if args.wandb_project:
         from .wandb_report import publish

@@ -101,6 +101,9 @@ def summary_html(rows: list[dict], means: dict) -> str:
     mean = (f"<tr class='mean'><td>mean over {len(rows)} configurations</td><td></td>"
             f"<td>{fmt(means['throughput_whole'])}</td><td>{fmt(means['throughput_steady'])}</td>"
             f"<td>{process}</td><td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td></tr>"
+            f"<tr class='mean'><td>mean over the {means['reward_ratio_real_configurations']} real-weight "
+            f"configurations (the reward ratio's target)</td><td></td><td></td><td></td><td></td>"
+            f"<td>{fmt(means['reward_ratio_mean_real'])}</td><td></td><td></td></tr>"
             f"<tr class='paper'><td>paper (H20)</td><td></td><td>{fmt(means['paper_throughput'])}</td><td></td>"
             f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td></tr>")
     return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>"

@@ -125,6 +125,15 @@ def _spread(values) -> float:
     return math.sqrt(_mean([(v - mean) ** 2 for v in values])) if values else float("nan")
 
 
+def real_weights(recipe: str) -> bool:
+    """Whether ``recipe`` trains a model with real (pretrained) weights: the only models
+    whose reward moves, so the reward ratio's target is stated over them (a random-weight
+    model's reward stays near 0, and one lucky sample gives a ratio of 0 or infinity)."""
+    from areal_tik.adapter.recipes import CARDS, SMOLLM2
+
+    return any(c.name == recipe and c.model == SMOLLM2 for c in CARDS)
+
+
 def summary_row(pair: Pair, warmup: int) -> dict:
     tik, stock = pair.tik["per_step"], pair.stock["per_step"]
     ratios = reward_ratios(pair.tik, pair.stock)
@@ -137,16 +146,21 @@ def summary_row(pair: Pair, warmup: int) -> dict:
         "startup_seconds_tik": startup_seconds(pair.tik), "startup_seconds_stock": startup_seconds(pair.stock),
         "reward_tik": _mean([s["reward"] for s in tik]), "reward_stock": _mean([s["reward"] for s in stock]),
         "reward_ratio_mean": _mean(ratios), "reward_ratio_spread": _spread(ratios),
-        "reward_ratio_steps": len(ratios),
+        "reward_ratio_steps": len(ratios), "real_weights": real_weights(pair.recipe),
         "audit": audit.get("verdict", "none"), "audited_tokens": audit.get("audited_tokens", 0),
     }
 
 
 def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
     """Rows per recipe and the means over recipes (NaN cells left out of the means;
-    ``throughput_process_configurations``: how many rows that mean has)."""
+    ``throughput_process_configurations``: how many rows that mean has;
+    ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
+    ``reward_ratio_real_configurations`` of them)."""
     rows = [summary_row(p, warmup) for p in pairs]
     means = {key: _mean([r[key] for r in rows])
              for key in ("throughput_whole", "throughput_steady", "throughput_process", "reward_ratio_mean")}
     means["throughput_process_configurations"] = sum(not math.isnan(r["throughput_process"]) for r in rows)
+    real = [r["reward_ratio_mean"] for r in rows if r["real_weights"]]
+    means["reward_ratio_mean_real"] = _mean(real)
+    means["reward_ratio_real_configurations"] = len(real)
     return rows, {**means, "paper_throughput": PAPER_THROUGHPUT, "paper_reward": PAPER_REWARD}
