@@ -70,7 +70,7 @@ def test_stale_tokens_are_recomputed_and_fresh_ones_reused(setup):
     # A rollout in flight while the weights change: its later tokens carry version 1. It
     # asks for more tokens than the others, and generation is paused around the update (as
     # AReaL's trainer does), so the update lands mid-request however slow the machine is.
-    long_kwargs = dict(kwargs, gconfig=dataclasses.replace(kwargs["gconfig"], max_new_tokens=48))
+    long_kwargs = dict(kwargs, gconfig=dataclasses.replace(kwargs["gconfig"], max_new_tokens=16))
     steps = engine.llm.num_steps
     engine.submit(items[1], workflow=WORKFLOW, workflow_kwargs=long_kwargs)
     deadline = time.monotonic() + 120
