@@ -27,6 +27,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+if interpreting() and os.environ.get("AREAL_TIK_INTERPRETER_PATCH", "1") != "0":
+    # The interpreter's per-call re-patching of triton.language, listed once (_interpreter.py;
+    # AREAL_TIK_INTERPRETER_PATCH=0 keeps triton's own, for side-by-side timing).
+    from ._interpreter import install as _install_interpreter_patch
+
+    _install_interpreter_patch()
+
+
 def check_tensor(
     name: str,
     t,
