@@ -173,3 +173,26 @@ def test_gpu_standard_varlen_attention_matches_per_sequence_sdpa():
     grads_ref = torch.autograd.grad(ref[:sum(lens)].float().square().sum(), (q, k, v))
     for g, g_ref in zip(grads, grads_ref):
         assert rel_err(g, g_ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_random_checkpoint_written_from_cuda_reloads_bit_for_bit(tmp_path):
+    """A recipe's random checkpoint drawn on the GPU (``ensure_model`` does so when a GPU
+    is there): the files hold bf16 weights equal in bits to the drawn model's, and a second
+    draw from the same seed is the same model (the stock run of a pair reads the tik run's
+    file, but a rewrite must not change the model either)."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_tik.model import checkpoints
+
+    config = published_config("Qwen3-0.6B", num_hidden_layers=2)
+    tokenizer = checkpoints.char_tokenizer()
+    path = checkpoints.random_checkpoint(tmp_path / "a", config, tokenizer, seed=0, device="cuda")
+    again = checkpoints.random_checkpoint(tmp_path / "b", config, tokenizer, seed=0, device="cuda")
+    drawn = random_model(config, dtype=torch.bfloat16, device="cuda", seed=0).state_dict()
+    for folder in (path, again):
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).state_dict()
+        assert set(loaded) <= set(drawn), set(loaded) - set(drawn)
+        for name, tensor in loaded.items():
+            assert tensor.dtype == torch.bfloat16, name
+            assert_bitwise(tensor, drawn[name].cpu(), name)

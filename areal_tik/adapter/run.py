@@ -69,7 +69,11 @@ def ensure_model(card: recipes.RecipeCard, path: str) -> float:
         tokenizer = checkpoints.gguf_tokenizer(smollm2_path())
         shape = published_config(card.model, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-        checkpoints.random_checkpoint(path, shape, tokenizer, seed=0)
+        import torch
+
+        # drawn where the run trains: the tik run writes it, its stock run reads the same file
+        checkpoints.random_checkpoint(path, shape, tokenizer, seed=0,
+                                      device="cuda" if torch.cuda.is_available() else "cpu")
     return time.perf_counter() - start
 
 
