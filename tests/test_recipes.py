@@ -88,22 +88,26 @@ def test_the_modes_differ_only_in_kernels_reuse_and_recompute():
 def test_every_recipe_builds_its_task_and_its_verifier_accepts_the_tasks_answers(loaded):
     """Each recipe's task (name + its own params: a fragment's mapping would merge into
     it key by key) builds through reasoning-gym, and the recipe's reward function scores
-    the task's own answer 1.0 and a wrong one 0.0. The H200 run of
-    gsm_symbolic_grpo_qwen3_0_6b stopped here before any step, on basic_arithmetic's
-    min_terms inherited from _gpu.yaml."""
-    import dataclasses
-
-    from areal.utils.dynamic_import import import_from_string
-
-    from areal_tik.adapter.tasks import rl_dataset
+    the task's own answer 1.0 and a wrong one 0.0 (``check_task``, which ``run`` calls
+    before a run starts). The H200 run of gsm_symbolic_grpo_qwen3_0_6b stopped here before
+    any step, on basic_arithmetic's min_terms inherited from _gpu.yaml."""
+    from areal_tik.adapter.tasks import check_task
 
     for name, config in loaded.items():
-        task = dataclasses.replace(config.task, size=3)
-        rows = rl_dataset(task, "train")
-        assert len(rows) == 3, name
-        reward = import_from_string(task.reward)
-        for row in rows:
-            fields = dict(prompt="", prompt_ids=[], completion_ids=[], answer=row["answer"],
-                          task=row["task"], entry=row["entry"])
-            assert reward(completion=f"{row['answer']}<|im_end|>", **fields) == 1.0, (name, row)
-            assert reward(completion="no answer here<|im_end|>", **fields) == 0.0, (name, row)
+        check_task(config.task)
+
+
+def test_check_task_refuses_a_verifier_that_cannot_score_or_import(loaded):
+    """The start-up check fails on a reward function that does not give the task's own
+    answer 1.0 (the digit-shaped reward on a task whose answers are words: 0.9) and on one
+    whose module does not import, before anything is trained."""
+    import dataclasses
+
+    from areal_tik.adapter.tasks import check_task
+
+    task = loaded["chain_sum_grpo_tiny_cpu"].task
+    with pytest.raises(ValueError, match="scores the task's own answer"):
+        check_task(dataclasses.replace(task, name="spell_backward", params={},
+                                       reward="areal_tik.adapter.tasks.shaped_reward_fn"))
+    with pytest.raises(ImportError):
+        check_task(dataclasses.replace(task, reward="areal_tik.adapter.no_such_module.reward_fn"))

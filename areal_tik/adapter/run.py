@@ -139,6 +139,7 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     from . import patch_list
     from .demo import load_config
     from .launch import spmd_environment
+    from .tasks import check_task
 
     spmd_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -147,6 +148,7 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     with patch_list.apply():
         asked = load_config(path, overrides)  # the recipe as asked: what both modes share
         config = load_config(path, overrides + mode_overrides(mode) + run_overrides(name, mode, folder, group))
+        check_task(config.task)  # a verifier that cannot import or score stops the run here
         checkpoint_seconds = ensure_model(card, config.actor.path)
         metadata = run_metadata(name, mode, config.actor.tik_kernels)
         digest = config_digest(asked)

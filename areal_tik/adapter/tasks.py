@@ -73,6 +73,30 @@ def rl_dataset(task: TaskConfig, split: str = "train"):
     raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
 
 
+def check_task(task: TaskConfig, rows: int = 3) -> None:
+    """Fail now, not mid-run, when ``task`` cannot be trained on: it builds ``rows`` items
+    through reasoning-gym and its reward function (``task.reward``, imported with the
+    modules it needs) scores each item's own answer 1.0 and a non-answer 0.0.
+
+    A run whose reward function cannot import (math-verify missing on the H200, once)
+    otherwise starts, generates, and retries the reward in AReaL's worker until its time
+    limit; a task given another task's params stops at its first rollout."""
+    import dataclasses
+
+    from areal.utils.dynamic_import import import_from_string
+
+    reward = import_from_string(task.reward)
+    for row in _rows(dataclasses.replace(task, size=rows), rows, task.seed):
+        fields = dict(prompt="", prompt_ids=[], completion_ids=[], answer=row["answer"],
+                      task=row["task"], entry=row["entry"])
+        right = reward(completion=f"{row['answer']}<|im_end|>", **fields)
+        wrong = reward(completion="no answer here<|im_end|>", **fields)
+        if (right, wrong) != (1.0, 0.0):
+            raise ValueError(f"task {task.name!r}: {task.reward} scores the task's own answer "
+                             f"{row['answer']!r} {right} (expected 1.0) and a non-answer {wrong} "
+                             f"(expected 0.0)")
+
+
 @functools.lru_cache(maxsize=32)
 def _scorer(name: str):
     import reasoning_gym
