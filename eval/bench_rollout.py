@@ -5,7 +5,8 @@ Usage (GPU, repo root):
 
 One random-initialised model with a published config (weights shared by all three
 backends, same prompts): the areal-tik engine on the unified Triton kernels, the same
-engine on the standard torch ops (cuBLAS, SDPA, eager norms), and transformers'
+engine on the standard torch ops (cuBLAS, eager norms; decode attention on torch's paged
+FlashAttention over 256-token KV blocks where this torch has it, else gather + SDPA), and transformers'
 ``generate``. Sampling at T = 1.0 over the full vocabulary, a fixed number of new
 tokens (EOS ignored), batch 1 / 16 / 64 x 256 / 512 new tokens (``--quick``: batch 1
 and 64 x 256). Each backend is warmed up at every batch size before timing (Triton
@@ -32,6 +33,7 @@ from eval.harness import run_info, write_csv  # noqa: E402
 from areal_tik.cli import RANDOM_INIT  # noqa: E402
 from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
+from areal_tik.model.ops import STANDARD_KV_BLOCK  # noqa: E402
 
 PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
@@ -63,21 +65,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def engine_config(shapes) -> EngineConfig:
-    """The engine sized for ``shapes`` ((batch, new_tokens) pairs after PROMPT_LEN-token prompts)."""
+def engine_config(shapes, block: int = 64) -> EngineConfig:
+    """The engine sized for ``shapes`` ((batch, new_tokens) pairs after PROMPT_LEN-token prompts),
+    over ``block``-token KV blocks."""
     max_bs = max(b for b, _ in shapes)
     max_len = PROMPT_LEN + max(n for _, n in shapes)
     # Every request of a run finishes together, so decode batches are exactly the benchmark
     # batch sizes: capturing only those saves the other buckets' capture time.
-    return EngineConfig(max_num_seqs=max_bs, max_model_len=max_len, kv_block_size=64,
-                        num_kv_blocks=max_bs * -(-max_len // 64) + 1, cuda_graphs=True,
+    return EngineConfig(max_num_seqs=max_bs, max_model_len=max_len, kv_block_size=block,
+                        num_kv_blocks=max_bs * -(-max_len // block) + 1, cuda_graphs=True,
                         cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0)
 
 
 def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops."""
     model = UnifiedCausalLM.from_hf(hf_model, kernels=kernels)
-    with LLM(model, engine_config(shapes)) as llm:
+    # the standard set as the recipes' stock mode runs it: 256-token blocks, where its decode
+    # can call torch's paged FlashAttention (the engine prints the path it took)
+    block = STANDARD_KV_BLOCK if kernels == "standard" else 64
+    with LLM(model, engine_config(shapes, block)) as llm:
+        print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
     llm = model = None  # free the KV cache and CUDA graphs before the next backend
     gc.collect()

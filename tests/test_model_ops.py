@@ -110,6 +110,91 @@ def test_standard_decode_reads_paged_cache_and_ignores_garbage():
     assert rel_err(out, full[last]) < 1e-2
 
 
+def _paged_case(lens, block, hq, hk, d, device, seed):
+    """Packed q/k/v of ``lens``, a NaN-filled paged cache of shuffled ``block``-token blocks
+    holding them, the tables (padded with block 0) and each sequence's last row."""
+    q, k, v = (t.to(device) for t in _qkv(sum(lens), hq=hq, hk=hk, d=d, seed=seed))
+    n_blocks = sum(-(-n // block) for n in lens) + 2
+    k_cache = torch.full((n_blocks, block, hk, d), float("nan"), dtype=torch.bfloat16, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    width = max(-(-n // block) for n in lens) + 1
+    tables, slots = [], []
+    for n in lens:
+        blocks = [perm.pop() for _ in range(-(-n // block))]
+        tables.append(blocks + [0] * (width - len(blocks)))
+        slots += [blocks[p // block] * block + p % block for p in range(n)]
+    STD.store_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots, device=device))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    last = (cu[1:] - 1).long()
+    return (q, k, v, cu, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device=device),
+            torch.tensor(lens, dtype=torch.int32, device=device), last)
+
+
+def test_paged_flash_rule_names_why_the_standard_decode_gathers():
+    """The standard decode calls torch's paged FlashAttention only on a GPU, with a torch
+    whose varlen_attn takes a block table, and over 256-token blocks; otherwise the reason."""
+    from areal_tik.model.ops import paged_flash_unusable
+
+    full = {"block_table", "seqused_k", "scale", "enable_gqa"}
+    assert paged_flash_unusable(True, full, 256, gqa=True) is None
+    assert paged_flash_unusable(True, full, 512, gqa=False) is None
+    assert paged_flash_unusable(False, full, 256, gqa=True) == "not on a GPU"
+    assert "no torch.nn.attention.varlen" in paged_flash_unusable(True, None, 256, gqa=True)
+    assert "lacks ['block_table']" in paged_flash_unusable(True, full - {"block_table"}, 256, gqa=True)
+    assert paged_flash_unusable(True, full - {"enable_gqa"}, 256, gqa=False) is None
+    assert "enable_gqa" in paged_flash_unusable(True, full - {"enable_gqa"}, 256, gqa=True)
+    assert "multiple of 256" in paged_flash_unusable(True, full, 64, gqa=True)
+
+
+def test_the_model_names_its_decode_attention_path():
+    from areal_tik.model import UnifiedCausalLM, random_model
+
+    hf = random_model(tiny_config("qwen3"), dtype=torch.bfloat16, seed=0)
+    assert UnifiedCausalLM.from_hf(hf, kernels="unified").decode_attention_path(64) == "unified"
+    assert (UnifiedCausalLM.from_hf(hf, kernels="standard").decode_attention_path(256)
+            == "gather-sdpa (not on a GPU)")
+
+
+def test_standard_decode_over_256_token_blocks_on_cpu_gathers_and_matches_sdpa():
+    """The stock mode's 256-token blocks on the CPU path (gather + SDPA): sequences shorter
+    than, equal to and longer than a block, NaN in every unused slot."""
+    lens = [300, 1, 256, 40]
+    q, k, v, cu, k_cache, v_cache, tables, ctx, last = _paged_case(lens, 256, 4, 2, 16, "cpu", seed=5)
+    full = STD.attention_varlen(q, k, v, cu, max(lens), None)
+    out = STD.attention_decode(q[last], k_cache, v_cache, tables, ctx, None)
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, full[last]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_standard_decode_on_paged_flash_matches_sdpa_and_replays_in_a_graph():
+    """At Qwen3-0.6B's attention shape over 256-token blocks the standard decode runs
+    torch's paged FlashAttention (its self-check passes), agrees with SDPA over each whole
+    sequence to bf16 rounding with NaN in the unused slots, and a CUDA-graph replay after the
+    inputs change gives the eager bits."""
+    from areal_tik.model.ops import check_paged_flash_decode, paged_flash_decode_reason
+
+    assert check_paged_flash_decode(16, 8, 128, 256, torch.bfloat16, torch.device("cuda")) is None
+    lens = [300, 1, 700, 513, 256]
+    q, k, v, cu, k_cache, v_cache, tables, ctx, last = _paged_case(lens, 256, 16, 8, 128, "cuda", seed=4)
+    assert paged_flash_decode_reason(q, k_cache) is None
+    full = STD.attention_varlen(q, k, v, cu, max(lens), None)
+    out = STD.attention_decode(q[last], k_cache, v_cache, tables, ctx, None)
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, full[last]) < 1e-2
+    q_in, ctx_in = q[last].clone(), ctx.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = STD.attention_decode(q_in, k_cache, v_cache, tables, ctx_in, None)
+    shorter = ctx - torch.tensor([50, 0, 300, 13, 1], dtype=torch.int32, device="cuda")
+    q_in.copy_(q[last].flip(-1))
+    ctx_in.copy_(shorter)
+    graph.replay()
+    eager = STD.attention_decode(q[last].flip(-1), k_cache, v_cache, tables, shorter, None)
+    assert_bitwise(replayed, eager, "graph replay vs eager paged FlashAttention decode")
+
+
 def test_standard_store_skips_slot_minus_one():
     k_cache = torch.full((3, 4, 2, 16), float("nan"), dtype=torch.bfloat16)
     v_cache = torch.full_like(k_cache, float("nan"))

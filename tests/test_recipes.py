@@ -76,13 +76,19 @@ def test_run_command_answers_a_bad_recipe_or_mode_with_the_choices(capsys):
     assert [line.split()[0] for line in listed] == [c.name for c in recipes.CARDS]
 
 
-def test_the_modes_differ_only_in_kernels_reuse_and_recompute():
+def test_the_modes_differ_only_in_kernels_reuse_recompute_and_the_stock_kv_block(loaded):
     from areal_tik.adapter.run import mode_overrides
 
     assert mode_overrides("tik") == ["++actor.unified_kernels=true", "++actor.tik_kernels=unified",
                                      "++actor.tik_reuse_logprobs=true"]
     assert mode_overrides("stock") == ["++actor.unified_kernels=true", "++actor.tik_kernels=standard",
-                                       "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true"]
+                                       "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true",
+                                       "++tik.kv_block_size=256"]
+    # every recipe's engine takes the stock block size (a power of two; max_model_len holds a block)
+    for name in loaded:
+        config = load_config(recipes.recipe_file(name), mode_overrides("stock"))
+        assert config.tik.kv_block_size == 256, name
+        config.tik.__post_init__()  # EngineConfig's own checks
 
 
 def test_every_recipe_builds_its_task_and_its_verifier_accepts_the_tasks_answers(loaded):

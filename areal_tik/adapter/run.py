@@ -39,10 +39,17 @@ MODES = {
 }
 
 
+# The stock mode's engine keeps its KV cache in 256-token blocks: torch's paged
+# FlashAttention (the standard set's decode, as in a stock engine) takes no smaller page.
+# The unified kernels' bits do not depend on the block size; the tik mode keeps the default.
+ENGINE_MODES = {"tik": {}, "stock": {"kv_block_size": 256}}
+
+
 def mode_overrides(mode: str) -> list[str]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {[*MODES, 'both']}, got {mode!r}")
-    return [f"++actor.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
+    return ([f"++actor.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
+            + [f"++tik.{k}={v}" for k, v in ENGINE_MODES[mode].items()])
 
 
 def run_overrides(recipe: str, mode: str, folder: Path, group: str) -> list[str]:

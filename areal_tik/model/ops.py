@@ -264,8 +264,104 @@ def _std_store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
         flat.index_copy_(0, target, torch.where(valid[:, None, None], new, fill))
 
 
+# Paged decode for the standard set: torch's FlashAttention varlen with a block table,
+# what a stock engine (vLLM's FlashAttention backend) runs, reading only the blocks a
+# sequence holds. Upstream FlashAttention 2 takes pages of a multiple of 256 tokens, so the
+# stock path runs its engine with 256-token KV blocks (``STANDARD_KV_BLOCK``); anywhere
+# else (CPU, another block size, a torch without the arguments, a failed self-check) the
+# gather + SDPA path below runs, and ``paged_flash_decode_reason`` says why.
+STANDARD_KV_BLOCK = 256
+_paged_flash_failed: list[str] = []
+
+
+def paged_flash_unusable(is_cuda: bool, params, block_size: int, gqa: bool) -> str | None:
+    """Why torch's paged FlashAttention cannot run this decode (None: it can). ``params``:
+    the names ``varlen_attn`` takes (None: torch has no varlen_attn)."""
+    if not is_cuda:
+        return "not on a GPU"
+    if _paged_flash_failed:
+        return f"its self-check failed: {_paged_flash_failed[0]}"
+    if params is None:
+        return "this torch has no torch.nn.attention.varlen.varlen_attn"
+    missing = {"block_table", "seqused_k", "scale"} - set(params)
+    if gqa:
+        missing |= {"enable_gqa"} - set(params)
+    if missing:
+        return f"this torch's varlen_attn lacks {sorted(missing)}"
+    if block_size % STANDARD_KV_BLOCK:
+        return (f"KV blocks of {block_size} tokens (FlashAttention's paged KV wants a multiple of "
+                f"{STANDARD_KV_BLOCK})")
+    return None
+
+
+def paged_flash_decode_reason(q, k_cache) -> str | None:
+    """None when the standard decode of ``q`` over ``k_cache`` calls torch's paged
+    FlashAttention, else why it gathers the blocks instead."""
+    params = _varlen_params() if q.is_cuda else None
+    return paged_flash_unusable(q.is_cuda, params, k_cache.shape[1], k_cache.shape[2] != q.shape[1])
+
+
+@functools.cache
+def _varlen_params() -> frozenset | None:
+    found = _flash_varlen()
+    return None if found is None else frozenset(inspect.signature(found[0]).parameters)
+
+
+def _paged_flash_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale):
+    varlen_attn = _flash_varlen()[0]
+    batch = q.shape[0]
+    lens = context_lens.to(torch.int32)
+    cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+    cu_k = torch.cat([lens.new_zeros(1), lens.cumsum(0, dtype=torch.int32)])
+    tables = block_tables.clamp(0, k_cache.shape[0] - 1).to(torch.int32)  # padding rows: any real block
+    kwargs = {"enable_gqa": True} if k_cache.shape[2] != q.shape[1] else {}
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return varlen_attn(q, k_cache, v_cache, cu_q, cu_k, 1, tables.shape[1] * k_cache.shape[1],
+                       seqused_k=lens, block_table=tables, scale=scale, **kwargs)
+
+
+def check_paged_flash_decode(n_heads: int, n_kv_heads: int, head_dim: int, block_size: int,
+                             dtype, device) -> str | None:
+    """Run the paged FlashAttention decode once, eagerly, against the gather path on a small
+    random cache (before any CUDA-graph capture); on an error or a disagreement beyond bf16
+    rounding it is switched off for the process. Returns why it is not used, or None."""
+    q = torch.empty(3, n_heads, head_dim, device=device, dtype=dtype)
+    k_cache = torch.empty(4, block_size, n_kv_heads, head_dim, device=device, dtype=dtype)
+    reason = paged_flash_decode_reason(q, k_cache)
+    if reason is not None:
+        return reason
+    gen = torch.Generator(device=device).manual_seed(0)
+    q.normal_(generator=gen)
+    k_cache.normal_(generator=gen)
+    v_cache = torch.randn(k_cache.shape, generator=gen, device=device, dtype=dtype)
+    tables = torch.tensor([[2, 0], [1, 3], [3, 2]], device=device, dtype=torch.int32)
+    lens = torch.tensor([block_size + 5, 1, 2 * block_size], device=device, dtype=torch.int32)
+    try:
+        got = _paged_flash_decode(q, k_cache, v_cache, tables, lens, None).float()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        _paged_flash_failed.append(f"{type(exc).__name__}: {exc}")
+    else:
+        want = _gather_attention_decode(q, k_cache, v_cache, tables, lens, None).float()
+        err = (got - want).abs().max().item()
+        if not err <= 2e-2 * want.abs().max().item() + 1e-3:
+            _paged_flash_failed.append(f"max |paged - gathered| {err:.3g}")
+    if _paged_flash_failed:
+        warnings.warn(f"standard decode: torch's paged FlashAttention is not used "
+                      f"({_paged_flash_failed[0]}); gathering the blocks instead", RuntimeWarning, stacklevel=2)
+        return paged_flash_decode_reason(q, k_cache)
+    return None
+
+
 def _std_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None, *,
                           validate=True):
+    """Paged decode: torch's paged FlashAttention where it runs (``paged_flash_decode_reason``),
+    otherwise the gather path."""
+    if paged_flash_decode_reason(q, k_cache) is None:
+        return _paged_flash_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)
+    return _gather_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)
+
+
+def _gather_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None):
     """Gather each sequence's paged K/V into a contiguous ``[B, L, Hk, D]`` and call SDPA.
 
     Static shapes only (L = blocks per table x block_size), so it is CUDA-graph capturable;

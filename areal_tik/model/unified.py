@@ -161,6 +161,20 @@ class UnifiedCausalLM:
         return KVCache.allocate(spec.n_layers, num_blocks, block_size, spec.n_kv_heads, spec.head_dim,
                                 dtype=dtype or self.dtype, device=device or self.device, zero=zero)
 
+    def decode_attention_path(self, block_size: int) -> str:
+        """The paged decode attention this model runs over ``block_size``-token KV blocks:
+        "unified" (the Triton kernel), "paged-flash" (the standard set on torch's paged
+        FlashAttention, checked here once against the gather path) or "gather-sdpa (why)".
+        The engine asks at start-up, before it captures CUDA graphs."""
+        if self.kernels == "unified":
+            return "unified"
+        from .ops import check_paged_flash_decode
+
+        spec = self.spec
+        reason = check_paged_flash_decode(spec.n_heads, spec.n_kv_heads, spec.head_dim, block_size,
+                                          self.dtype, self.device)
+        return "paged-flash" if reason is None else f"gather-sdpa ({reason})"
+
     def fuse_projections(self) -> int:
         """Lay out every layer's q/k/v and gate/up weights as adjacent rows of one storage
         (in place: same Parameter objects and values), so that rollout runs each group as
