@@ -6,6 +6,7 @@ run files."""
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import re
 import subprocess
@@ -26,13 +27,16 @@ def step(i, reward, tokens, seconds):
             "phases": {"rollout": seconds / 2, "train_step": seconds / 2}, "tik": {"audit_passed": 1.0}}
 
 
-def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d") -> Path:
+def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d", decode=None) -> Path:
     folder = root / recipe / mode
     folder.mkdir(parents=True)
+    metadata = {"commit": "abc", "gpu": "cpu", "kernel_set": mode}
+    if decode is not None:
+        metadata["decode_attention"] = decode
     (folder / "run.json").write_text(json.dumps({
         "format": 1, "recipe": recipe, "mode": mode, "seeds": {"seed": seed, "task_seed": 1},
         "steps": len(steps), "config_digest": digest, "group": f"{recipe}-seed{seed}",
-        "metadata": {"commit": "abc", "gpu": "cpu", "kernel_set": mode}, "per_step": steps,
+        "metadata": metadata, "per_step": steps,
         "summary": {"verdict": "all 1 audits bitwise equal", "audited_tokens": 8}}))
     return folder
 
@@ -139,6 +143,9 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     rewards = (tik["per_step"][0]["reward"], stock["per_step"][0]["reward"])
     assert row[5] == (f"{rewards[0] / rewards[1]:.3f}x" if rewards[1] else "n/a")
     assert row[7] == tik["summary"]["verdict"] and paper[2] == "1.100x" and paper[5] == "1.000x"
+    assert tik["metadata"]["decode_attention"] == "unified"
+    assert row[8] == stock["metadata"]["decode_attention"] == "gather-sdpa (not on a GPU)"
+    assert "These means mix" not in page
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
     assert "Runs on a CPU" in page  # the interpreted kernels' throughput is flagged
     summary = json.loads((out / "summary.json").read_text())
@@ -286,3 +293,24 @@ def test_the_reward_ratio_target_is_averaged_over_the_real_weight_recipes_only(t
     assert means["reward_ratio_mean"] == pytest.approx(0.6)  # (0 + 1.2) / 2
     assert means["reward_ratio_mean_real"] == pytest.approx(1.2)
     assert means["reward_ratio_real_configurations"] == 1
+
+
+def test_a_mean_over_stock_runs_on_different_decode_paths_says_so(tmp_path):
+    """Each row names its stock run's decode attention (a run file without the field ran the
+    gather path, the standard set's only one then); means over rows on different paths carry
+    a note on the page, since the stock baseline differs between them."""
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="a", decode="unified")
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 2.0)], recipe="a", decode="paged-flash")
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="b")
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 3.0)], recipe="b")
+    rows, means = summary_table(pair_runs(load_runs([tmp_path])), warmup=0)
+    assert {r["recipe"]: r["stock_decode"] for r in rows} == {"a": "paged-flash", "b": "gather-sdpa"}
+    assert means["stock_decode_paths"] == ["gather-sdpa", "paged-flash"]
+    out = tmp_path / "report"
+    assert main(report_args([tmp_path], out, warmup=0)) == 0
+    page = (out / "index.html").read_text()
+    assert "These means mix stock runs on different decode attention paths (gather-sdpa, paged-flash)" in page
+    only_a = tmp_path / "only_a"
+    shutil.copytree(tmp_path / "a", only_a / "a")
+    assert main(report_args([only_a], tmp_path / "report_a", warmup=0)) == 0
+    assert "These means mix" not in (tmp_path / "report_a" / "index.html").read_text()

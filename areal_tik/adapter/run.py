@@ -84,6 +84,26 @@ def ensure_model(card: recipes.RecipeCard, path: str) -> float:
     return time.perf_counter() - start
 
 
+def decode_attention_path(model_path: str, kernels: str, block_size: int, dtype: str) -> str:
+    """The paged decode attention the run's engine takes (what ``UnifiedCausalLM``'s
+    ``decode_attention_path`` says for the checkpoint's attention shape and this device):
+    the report shows it beside the stock runs, whose baseline it changes."""
+    if kernels == "unified":
+        return "unified"
+    import torch
+    from transformers import AutoConfig
+
+    from areal_tik.model.ops import check_paged_flash_decode
+
+    hf = AutoConfig.from_pretrained(model_path)
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = check_paged_flash_decode(heads, getattr(hf, "num_key_value_heads", None) or heads, head_dim,
+                                      block_size, getattr(torch, dtype), device)
+    return "paged-flash" if reason is None else f"gather-sdpa ({reason})"
+
+
 def paired_rewards(folder: Path, mode: str, digest: str) -> list[float]:
     """The per-step rewards of the tik run beside a stock run (same recipe as asked), so
     the stock run can log the reward ratio per step; [] when there is none."""
@@ -157,7 +177,9 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
         config = load_config(path, overrides + mode_overrides(mode) + run_overrides(name, mode, folder, group))
         check_task(config.task)  # a verifier that cannot import or score stops the run here
         checkpoint_seconds = ensure_model(card, config.actor.path)
-        metadata = run_metadata(name, mode, config.actor.tik_kernels)
+        metadata = run_metadata(name, mode, config.actor.tik_kernels,
+                                decode_attention_path(config.actor.path, config.actor.tik_kernels,
+                                                      config.tik.kv_block_size, config.actor.dtype))
         digest = config_digest(asked)
         history, state = train_tracked(config, metadata, paired_rewards(folder, mode, digest))
     summary = state.summary()

@@ -81,7 +81,7 @@ SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole"
                    ("throughput_steady", "throughput tik/stock (steady state)"),
                    ("throughput_process", "throughput tik/stock (whole process)"),
                    ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
-                   ("audit", "audit"))
+                   ("audit", "audit"), ("stock_decode", "stock decode attention"))
 
 
 def _cell(key: str, value) -> str:
@@ -100,13 +100,17 @@ def summary_html(rows: list[dict], means: dict) -> str:
     process = fmt(means["throughput_process"]) + (f" (over {having})" if 0 < having < len(rows) else "")
     mean = (f"<tr class='mean'><td>mean over {len(rows)} configurations</td><td></td>"
             f"<td>{fmt(means['throughput_whole'])}</td><td>{fmt(means['throughput_steady'])}</td>"
-            f"<td>{process}</td><td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td></tr>"
+            f"<td>{process}</td><td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td><td></td></tr>"
             f"<tr class='mean'><td>mean over the {means['reward_ratio_real_configurations']} real-weight "
             f"configurations (the reward ratio's target)</td><td></td><td></td><td></td><td></td>"
-            f"<td>{fmt(means['reward_ratio_mean_real'])}</td><td></td><td></td></tr>"
+            f"<td>{fmt(means['reward_ratio_mean_real'])}</td><td></td><td></td><td></td></tr>"
             f"<tr class='paper'><td>paper (H20)</td><td></td><td>{fmt(means['paper_throughput'])}</td><td></td>"
-            f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td></tr>")
-    return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>"
+            f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td><td></td></tr>")
+    paths = means.get("stock_decode_paths", [])
+    mixed = ("" if len(paths) < 2 else
+             f"<p class='note'>These means mix stock runs on different decode attention paths "
+             f"({html.escape(', '.join(paths))}): the stock baseline is not the same in every row.</p>")
+    return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>{mixed}"
 
 
 def audit_html(pair: Pair) -> str:
@@ -141,7 +145,7 @@ def startup_html(pair: Pair) -> str:
 
 def meta_html(run: dict) -> str:
     m = run["metadata"]
-    keys = ("commit", "gpu", "driver", "torch", "triton", "cuda", "kernel_set", "date")
+    keys = ("commit", "gpu", "driver", "torch", "triton", "cuda", "kernel_set", "decode_attention", "date")
     return f"<p class='meta'>{html.escape(run['mode'])}: " + ", ".join(
         f"{k} {html.escape(str(m.get(k)))}" for k in keys) + "</p>"
 

@@ -134,6 +134,12 @@ def real_weights(recipe: str) -> bool:
     return any(c.name == recipe and c.model == SMOLLM2 for c in CARDS)
 
 
+def stock_decode(run: dict) -> str:
+    """The stock run's paged decode attention; run files from before the field ran the
+    gather path (the only one the standard set had)."""
+    return run.get("metadata", {}).get("decode_attention") or "gather-sdpa"
+
+
 def summary_row(pair: Pair, warmup: int) -> dict:
     tik, stock = pair.tik["per_step"], pair.stock["per_step"]
     ratios = reward_ratios(pair.tik, pair.stock)
@@ -148,6 +154,7 @@ def summary_row(pair: Pair, warmup: int) -> dict:
         "reward_ratio_mean": _mean(ratios), "reward_ratio_spread": _spread(ratios),
         "reward_ratio_steps": len(ratios), "real_weights": real_weights(pair.recipe),
         "audit": audit.get("verdict", "none"), "audited_tokens": audit.get("audited_tokens", 0),
+        "stock_decode": stock_decode(pair.stock),
     }
 
 
@@ -155,7 +162,8 @@ def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
     """Rows per recipe and the means over recipes (NaN cells left out of the means;
     ``throughput_process_configurations``: how many rows that mean has;
     ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
-    ``reward_ratio_real_configurations`` of them)."""
+    ``reward_ratio_real_configurations`` of them; ``stock_decode_paths``: the stock runs'
+    decode attention paths, more than one when the means mix baselines)."""
     rows = [summary_row(p, warmup) for p in pairs]
     means = {key: _mean([r[key] for r in rows])
              for key in ("throughput_whole", "throughput_steady", "throughput_process", "reward_ratio_mean")}
@@ -163,4 +171,6 @@ def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
     real = [r["reward_ratio_mean"] for r in rows if r["real_weights"]]
     means["reward_ratio_mean_real"] = _mean(real)
     means["reward_ratio_real_configurations"] = len(real)
+    # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
+    means["stock_decode_paths"] = sorted({r["stock_decode"].split(" (")[0] for r in rows})
     return rows, {**means, "paper_throughput": PAPER_THROUGHPUT, "paper_reward": PAPER_REWARD}
