@@ -18,16 +18,13 @@ import torch.nn.functional as F
 
 
 def gather_decode(q, k_cache, v_cache, tables, ctx):
-    from areal_tik.model.ops import _std_attention_decode
-    return _std_attention_decode(q, k_cache, v_cache, tables, ctx)
+    from areal_tik.model.ops import _gather_attention_decode
+    return _gather_attention_decode(q, k_cache, v_cache, tables, ctx)
 
 
 def paged_flash(q, k_cache, v_cache, tables, ctx):
-    from torch.nn.attention.varlen import varlen_attn
-    batch = q.shape[0]
-    cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
-    return varlen_attn(q, k_cache, v_cache, cu_q, None, 1, int(tables.shape[1] * k_cache.shape[1]),
-                       seqused_k=ctx.to(torch.int32), block_table=tables.to(torch.int32), enable_gqa=True)
+    from areal_tik.model.ops import _paged_flash_decode  # the standard set's own call
+    return _paged_flash_decode(q, k_cache, v_cache, tables, ctx, None)
 
 
 def timed(fn, *args, reps=50):
@@ -66,6 +63,8 @@ def main():
         tables = torch.randperm(pool, device="cuda").view(args.batch, n_blocks).to(torch.int32)
         ctx = torch.full((args.batch,), args.context, device="cuda", dtype=torch.int32)
         q = torch.randn(args.batch, hq, d, device="cuda", dtype=torch.bfloat16)
+        from areal_tik.model.ops import paged_flash_decode_reason
+        print(f"block {bs}: the standard decode's rule: {paged_flash_decode_reason(q, k_cache) or 'paged-flash'}")
         ref = gather_decode(q, k_cache, v_cache, tables, ctx)
         t_gather = timed(gather_decode, q, k_cache, v_cache, tables, ctx)
         try:
