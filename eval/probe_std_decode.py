@@ -14,7 +14,6 @@ import argparse
 import inspect
 
 import torch
-import torch.nn.functional as F
 
 
 def gather_decode(q, k_cache, v_cache, tables, ctx):

@@ -12,6 +12,7 @@ distribution that installed it, and asks for each in one of the two lists.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def _norm(name: str) -> str:
 
 def _imported_distributions() -> dict[str, list[str]]:
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

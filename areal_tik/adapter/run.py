@@ -93,15 +93,14 @@ def decode_attention_path(model_path: str, kernels: str, block_size: int, dtype:
     import torch
     from transformers import AutoConfig
 
-    from areal_tik.model.ops import check_paged_flash_decode
+    from areal_tik.model.ops import standard_decode_path
 
     hf = AutoConfig.from_pretrained(model_path)
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    reason = check_paged_flash_decode(heads, getattr(hf, "num_key_value_heads", None) or heads, head_dim,
-                                      block_size, getattr(torch, dtype), device)
-    return "paged-flash" if reason is None else f"gather-sdpa ({reason})"
+    return standard_decode_path(heads, getattr(hf, "num_key_value_heads", None) or heads, head_dim,
+                                block_size, getattr(torch, dtype), device)
 
 
 def paired_rewards(folder: Path, mode: str, digest: str) -> list[float]:

@@ -81,12 +81,10 @@ def check_task(task: TaskConfig, rows: int = 3) -> None:
     A run whose reward function cannot import (math-verify missing on the H200, once)
     otherwise starts, generates, and retries the reward in AReaL's worker until its time
     limit; a task given another task's params stops at its first rollout."""
-    import dataclasses
-
     from areal.utils.dynamic_import import import_from_string
 
     reward = import_from_string(task.reward)
-    for row in _rows(dataclasses.replace(task, size=rows), rows, task.seed):
+    for row in _rows(task, rows, task.seed):
         fields = dict(prompt="", prompt_ids=[], completion_ids=[], answer=row["answer"],
                       task=row["task"], entry=row["entry"])
         right = reward(completion=f"{row['answer']}<|im_end|>", **fields)

@@ -352,6 +352,13 @@ def check_paged_flash_decode(n_heads: int, n_kv_heads: int, head_dim: int, block
     return None
 
 
+def standard_decode_path(n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype, device) -> str:
+    """The standard set's decode attention at this shape, after the self-check:
+    "paged-flash" or "gather-sdpa (why)"."""
+    reason = check_paged_flash_decode(n_heads, n_kv_heads, head_dim, block_size, dtype, device)
+    return "paged-flash" if reason is None else f"gather-sdpa ({reason})"
+
+
 def _std_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None, *,
                           validate=True):
     """Paged decode: torch's paged FlashAttention where it runs (``paged_flash_decode_reason``),

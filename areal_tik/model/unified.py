@@ -168,12 +168,10 @@ class UnifiedCausalLM:
         The engine asks at start-up, before it captures CUDA graphs."""
         if self.kernels == "unified":
             return "unified"
-        from .ops import check_paged_flash_decode
+        from .ops import standard_decode_path
 
         spec = self.spec
-        reason = check_paged_flash_decode(spec.n_heads, spec.n_kv_heads, spec.head_dim, block_size,
-                                          self.dtype, self.device)
-        return "paged-flash" if reason is None else f"gather-sdpa ({reason})"
+        return standard_decode_path(spec.n_heads, spec.n_kv_heads, spec.head_dim, block_size, self.dtype, self.device)
 
     def fuse_projections(self) -> int:
         """Lay out every layer's q/k/v and gate/up weights as adjacent rows of one storage
