@@ -94,7 +94,7 @@ for s in $STAGES; do case $s in
   check) for m in qwen3-0.6b qwen3-1.7b llama-3.2-1b; do
            run "check_$m" 150 python3 -m areal_tik.cli check --model "$m" --num-prompts 64 --max-new-tokens 256 --no-progress
          done ;;
-  bench_rollout) run bench_rollout 300 python3 -m eval.bench_rollout --out "$W/csv" ;;
+  bench_rollout) run bench_rollout 300 python3 -m eval.bench_rollout --out "$W/csv" ${BENCH_ROLLOUT_ARGS:-} ;;  # e.g. --shapes 128x512 --backends unified standard
   bench_prefix) run bench_prefix 300 python3 -m eval.bench_prefix --out "$W/csv" ;;  # about 2-4 minutes
   stage) mkdir -p "$STAGE" && cp .carry/part* "$STAGE"/ && ls -la "$STAGE" ;;
   deps) run deps 300 bash -c "set -e; mkdir -p $STAGE/wheels; cat $STAGE/part* | tar xf - -C $STAGE/wheels; \
