@@ -83,9 +83,9 @@ def mode_overrides(args, mode: str, model_path: str, workdir: Path) -> list[str]
     out += [f"++experiment_name=grpo-bench-{args.model}-{mode}", f"++tik.max_num_seqs={sequences}",
             f"++tik.max_model_len={args.max_model_len}", f"++rollout.max_concurrent_rollouts={sequences}",
             f"++rollout.tik_engine={args.tik_engine}"]
-    from areal_tik.adapter.run import ENGINE_MODES  # the stock engine's KV blocks, as the recipes run it
+    from areal_tik.adapter.run import engine_overrides  # the stock engine's KV blocks, as the recipes run it
 
-    out += [f"++tik.{key}={value}" for key, value in ENGINE_MODES.get(mode, {}).items()]
+    out += [f"++tik.{key}={value}" for key, value in engine_overrides(mode, args.max_model_len).items()]
     return out + [f"++actor.{key}={str(value).lower() if isinstance(value, bool) else value}"
                   for key, value in actor.items()]
 

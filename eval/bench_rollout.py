@@ -5,8 +5,8 @@ Usage (GPU, repo root):
 
 One random-initialised model with a published config (weights shared by all three
 backends, same prompts): the areal-tik engine on the unified Triton kernels, the same
-engine on the standard torch ops (cuBLAS, eager norms; decode attention on torch's paged
-FlashAttention over 256-token KV blocks where this torch has it, else gather + SDPA), and transformers'
+engine on the standard torch ops (cuBLAS, eager norms; decode attention on FlashAttention 2
+over each sequence's one KV block, reading its used rows, else gather + SDPA), and transformers'
 ``generate``. Sampling at T = 1.0 over the full vocabulary, a fixed number of new
 tokens (EOS ignored), batch 1 / 16 / 64 x 256 / 512 new tokens (``--quick``: batch 1
 and 64 x 256). Each backend is warmed up at every batch size before timing (Triton
@@ -33,7 +33,7 @@ from eval.harness import run_info, write_csv  # noqa: E402
 from areal_tik.cli import RANDOM_INIT  # noqa: E402
 from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
-from areal_tik.model.ops import STANDARD_KV_BLOCK  # noqa: E402
+from areal_tik.model.ops import one_block_per_sequence  # noqa: E402
 
 PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
@@ -80,9 +80,9 @@ def engine_config(shapes, block: int = 64) -> EngineConfig:
 def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops."""
     model = UnifiedCausalLM.from_hf(hf_model, kernels=kernels)
-    # the standard set as the recipes' stock mode runs it: 256-token blocks, where its decode
-    # can call torch's paged FlashAttention (the engine prints the path it took)
-    block = STANDARD_KV_BLOCK if kernels == "standard" else 64
+    # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
+    # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
+    block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if kernels == "standard" else 64
     with LLM(model, engine_config(shapes, block)) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)

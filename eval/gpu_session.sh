@@ -85,7 +85,7 @@ for s in $STAGES; do case $s in
   # The host path of an eager prefill step alone (tiny Qwen3-shaped model, 28 layers, GPU
   # kernels too small to matter): enqueue ms per layer, HOST_FAST_PATH off and on, and a
   # cProfile top-25 per step kind (~1 minute, most of it compiling).
-  probe_std_decode) run probe_std_decode 120 python3 -m eval.probe_std_decode ;;  # the stock decode's paged FlashAttention
+  probe_std_decode) run probe_std_decode 120 python3 -m eval.probe_std_decode ;;  # the stock decode: FlashAttention over each sequence's one block vs gather + SDPA
   probe_host) run probe_host 150 python3 -m eval.probe_host --rows 2048 --start 8192; cat "$W/probe_host.log" ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
            run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json

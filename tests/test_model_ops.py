@@ -131,54 +131,54 @@ def _paged_case(lens, block, hq, hk, d, device, seed):
             torch.tensor(lens, dtype=torch.int32, device=device), last)
 
 
-def test_paged_flash_rule_names_why_the_standard_decode_gathers():
-    """The standard decode calls torch's paged FlashAttention only on a GPU, with a torch
-    whose varlen_attn takes a block table, and over 256-token blocks; otherwise the reason."""
-    from areal_tik.model.ops import paged_flash_unusable
+def test_flash_decode_rule_names_why_the_standard_decode_gathers():
+    """The standard decode calls FlashAttention over each sequence's rows only on a GPU, with
+    a torch whose _flash_attention_forward takes seqused_k, and with one KV block per
+    sequence; otherwise the reason. The stock mode's block holds a whole sequence."""
+    from areal_tik.model.ops import flash_decode_unusable, one_block_per_sequence
 
-    full = {"block_table", "seqused_k", "scale", "enable_gqa"}
-    assert paged_flash_unusable(True, full, 256, gqa=True) is None
-    assert paged_flash_unusable(True, full, 512, gqa=False) is None
-    assert paged_flash_unusable(False, full, 256, gqa=True) == "not on a GPU"
-    assert "no torch.nn.attention.varlen" in paged_flash_unusable(True, None, 256, gqa=True)
-    assert "lacks ['block_table']" in paged_flash_unusable(True, full - {"block_table"}, 256, gqa=True)
-    assert paged_flash_unusable(True, full - {"enable_gqa"}, 256, gqa=False) is None
-    assert "enable_gqa" in paged_flash_unusable(True, full - {"enable_gqa"}, 256, gqa=True)
-    assert "multiple of 256" in paged_flash_unusable(True, full, 64, gqa=True)
+    assert flash_decode_unusable(True, True, 1) is None
+    assert flash_decode_unusable(False, True, 1) == "not on a GPU"
+    assert "seqused_k" in flash_decode_unusable(True, False, 1)
+    assert "2 KV blocks per sequence" in flash_decode_unusable(True, True, 2)
+    assert [one_block_per_sequence(n) for n in (2, 3, 640, 1024, 1025, 2048)] == [2, 4, 1024, 1024, 2048, 2048]
 
 
 def test_the_model_names_its_decode_attention_path():
     from areal_tik.model import UnifiedCausalLM, random_model
 
     hf = random_model(tiny_config("qwen3"), dtype=torch.bfloat16, seed=0)
-    assert UnifiedCausalLM.from_hf(hf, kernels="unified").decode_attention_path(64) == "unified"
-    assert (UnifiedCausalLM.from_hf(hf, kernels="standard").decode_attention_path(256)
+    assert UnifiedCausalLM.from_hf(hf, kernels="unified").decode_attention_path(64, 256) == "unified"
+    assert (UnifiedCausalLM.from_hf(hf, kernels="standard").decode_attention_path(1024, 1024)
             == "gather-sdpa (not on a GPU)")
 
 
-def test_standard_decode_over_256_token_blocks_on_cpu_gathers_and_matches_sdpa():
-    """The stock mode's 256-token blocks on the CPU path (gather + SDPA): sequences shorter
-    than, equal to and longer than a block, NaN in every unused slot."""
+def test_standard_decode_over_one_block_per_sequence_on_cpu_gathers_and_matches_sdpa():
+    """The stock mode's layout (each sequence in one 512-token block, the table one column
+    wide) on the CPU path (gather + SDPA): sequences of 1 to 300 tokens, NaN in every
+    unused slot."""
     lens = [300, 1, 256, 40]
-    q, k, v, cu, k_cache, v_cache, tables, ctx, last = _paged_case(lens, 256, 4, 2, 16, "cpu", seed=5)
+    q, k, v, cu, k_cache, v_cache, tables, ctx, last = _paged_case(lens, 512, 4, 2, 16, "cpu", seed=5)
     full = STD.attention_varlen(q, k, v, cu, max(lens), None)
-    out = STD.attention_decode(q[last], k_cache, v_cache, tables, ctx, None)
+    out = STD.attention_decode(q[last], k_cache, v_cache, tables[:, :1], ctx, None)
     assert torch.isfinite(out.float()).all()
     assert rel_err(out, full[last]) < 1e-2
 
 
 @pytest.mark.gpu
-def test_gpu_standard_decode_on_paged_flash_matches_sdpa_and_replays_in_a_graph():
-    """At Qwen3-0.6B's attention shape over 256-token blocks the standard decode runs
-    torch's paged FlashAttention (its self-check passes), agrees with SDPA over each whole
-    sequence to bf16 rounding with NaN in the unused slots, and a CUDA-graph replay after the
-    inputs change gives the eager bits."""
-    from areal_tik.model.ops import check_paged_flash_decode, paged_flash_decode_reason
+def test_gpu_standard_decode_on_flash_over_one_block_per_sequence_matches_sdpa_and_replays_in_a_graph():
+    """At Qwen3-0.6B's attention shape, each sequence in one 1024-token block (shuffled, so
+    sequence starts are out of block order), the standard decode runs FlashAttention with
+    seqused_k (its self-check passes), agrees with SDPA over each whole sequence to bf16
+    rounding with NaN in the unused slots, and a CUDA-graph replay after the inputs (queries
+    and lengths) change gives the eager bits."""
+    from areal_tik.model.ops import check_flash_decode, flash_decode_reason
 
-    assert check_paged_flash_decode(16, 8, 128, 256, torch.bfloat16, torch.device("cuda")) is None
-    lens = [300, 1, 700, 513, 256]
-    q, k, v, cu, k_cache, v_cache, tables, ctx, last = _paged_case(lens, 256, 16, 8, 128, "cuda", seed=4)
-    assert paged_flash_decode_reason(q, k_cache) is None
+    assert check_flash_decode(16, 8, 128, 1024, 1, torch.bfloat16, torch.device("cuda")) is None
+    lens = [300, 1, 700, 513, 1024]
+    q, k, v, cu, k_cache, v_cache, tables, ctx, last = _paged_case(lens, 1024, 16, 8, 128, "cuda", seed=4)
+    tables = tables[:, :1].contiguous()
+    assert flash_decode_reason(q, tables.shape[1]) is None
     full = STD.attention_varlen(q, k, v, cu, max(lens), None)
     out = STD.attention_decode(q[last], k_cache, v_cache, tables, ctx, None)
     assert torch.isfinite(out.float()).all()
@@ -192,7 +192,9 @@ def test_gpu_standard_decode_on_paged_flash_matches_sdpa_and_replays_in_a_graph(
     ctx_in.copy_(shorter)
     graph.replay()
     eager = STD.attention_decode(q[last].flip(-1), k_cache, v_cache, tables, shorter, None)
-    assert_bitwise(replayed, eager, "graph replay vs eager paged FlashAttention decode")
+    assert_bitwise(replayed, eager, "graph replay vs eager FlashAttention decode")
+    gathered = STD.attention_decode(q[last], k_cache, v_cache, torch.cat([tables, tables], 1), ctx, None)
+    assert rel_err(gathered, full[last]) < 1e-2  # two columns: the gather path, same answer
 
 
 def test_standard_store_skips_slot_minus_one():

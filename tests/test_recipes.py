@@ -79,15 +79,18 @@ def test_run_command_answers_a_bad_recipe_or_mode_with_the_choices(capsys):
 def test_the_modes_differ_only_in_kernels_reuse_recompute_and_the_stock_kv_block(loaded):
     from areal_tik.adapter.run import mode_overrides
 
-    assert mode_overrides("tik") == ["++actor.unified_kernels=true", "++actor.tik_kernels=unified",
-                                     "++actor.tik_reuse_logprobs=true"]
-    assert mode_overrides("stock") == ["++actor.unified_kernels=true", "++actor.tik_kernels=standard",
-                                       "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true",
-                                       "++tik.kv_block_size=256"]
-    # every recipe's engine takes the stock block size (a power of two; max_model_len holds a block)
+    assert mode_overrides("tik", 1024) == ["++actor.unified_kernels=true", "++actor.tik_kernels=unified",
+                                           "++actor.tik_reuse_logprobs=true"]
+    assert mode_overrides("stock", 1024) == ["++actor.unified_kernels=true", "++actor.tik_kernels=standard",
+                                             "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true",
+                                             "++tik.kv_block_size=1024"]
+    assert mode_overrides("stock", 640)[-1] == "++tik.kv_block_size=1024"
+    # every recipe's stock engine holds a whole sequence in one block (its decode's FlashAttention
+    # path reads one contiguous range per sequence), and EngineConfig accepts it
     for name in loaded:
-        config = load_config(recipes.recipe_file(name), mode_overrides("stock"))
-        assert config.tik.kv_block_size == 256, name
+        max_len = load_config(recipes.recipe_file(name), []).tik.max_model_len
+        config = load_config(recipes.recipe_file(name), mode_overrides("stock", max_len))
+        assert config.tik.max_blocks_per_seq == 1 and config.tik.kv_block_size < 2 * max_len, name
         config.tik.__post_init__()  # EngineConfig's own checks
 
 

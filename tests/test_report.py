@@ -300,16 +300,16 @@ def test_a_mean_over_stock_runs_on_different_decode_paths_says_so(tmp_path):
     gather path, the standard set's only one then); means over rows on different paths carry
     a note on the page, since the stock baseline differs between them."""
     write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="a", decode="unified")
-    write_run(tmp_path, "stock", [step(1, 0.5, 100, 2.0)], recipe="a", decode="paged-flash")
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 2.0)], recipe="a", decode="flash-seqused")
     write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="b")
     write_run(tmp_path, "stock", [step(1, 0.5, 100, 3.0)], recipe="b")
     rows, means = summary_table(pair_runs(load_runs([tmp_path])), warmup=0)
-    assert {r["recipe"]: r["stock_decode"] for r in rows} == {"a": "paged-flash", "b": "gather-sdpa"}
-    assert means["stock_decode_paths"] == ["gather-sdpa", "paged-flash"]
+    assert {r["recipe"]: r["stock_decode"] for r in rows} == {"a": "flash-seqused", "b": "gather-sdpa"}
+    assert means["stock_decode_paths"] == ["flash-seqused", "gather-sdpa"]
     out = tmp_path / "report"
     assert main(report_args([tmp_path], out, warmup=0)) == 0
     page = (out / "index.html").read_text()
-    assert "These means mix stock runs on different decode attention paths (gather-sdpa, paged-flash)" in page
+    assert "These means mix stock runs on different decode attention paths (flash-seqused, gather-sdpa)" in page
     only_a = tmp_path / "only_a"
     shutil.copytree(tmp_path / "a", only_a / "a")
     assert main(report_args([only_a], tmp_path / "report_a", warmup=0)) == 0

@@ -39,17 +39,22 @@ MODES = {
 }
 
 
-# The stock mode's engine keeps its KV cache in 256-token blocks: torch's paged
-# FlashAttention (the standard set's decode, as in a stock engine) takes no smaller page.
-# The unified kernels' bits do not depend on the block size; the tik mode keeps the default.
-ENGINE_MODES = {"tik": {}, "stock": {"kv_block_size": 256}}
+def engine_overrides(mode: str, max_model_len: int) -> dict:
+    """The engine options a mode sets. The stock mode's engine keeps each sequence's K/V in
+    one block (a static per-sequence cache) so that its decode runs FlashAttention over the
+    rows a sequence holds, as a stock engine's FlashAttention backend reads them (torch's
+    FlashAttention takes no block table). The unified kernels' bits do not depend on the
+    block size; the tik mode keeps the default."""
+    from areal_tik.model.ops import one_block_per_sequence
+
+    return {"kv_block_size": one_block_per_sequence(max_model_len)} if mode == "stock" else {}
 
 
-def mode_overrides(mode: str) -> list[str]:
+def mode_overrides(mode: str, max_model_len: int) -> list[str]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {[*MODES, 'both']}, got {mode!r}")
     return ([f"++actor.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
-            + [f"++tik.{k}={v}" for k, v in ENGINE_MODES[mode].items()])
+            + [f"++tik.{k}={v}" for k, v in engine_overrides(mode, max_model_len).items()])
 
 
 def run_overrides(recipe: str, mode: str, folder: Path, group: str) -> list[str]:
@@ -84,7 +89,7 @@ def ensure_model(card: recipes.RecipeCard, path: str) -> float:
     return time.perf_counter() - start
 
 
-def decode_attention_path(model_path: str, kernels: str, block_size: int, dtype: str) -> str:
+def decode_attention_path(model_path: str, kernels: str, block_size: int, max_model_len: int, dtype: str) -> str:
     """The paged decode attention the run's engine takes (what ``UnifiedCausalLM``'s
     ``decode_attention_path`` says for the checkpoint's attention shape and this device):
     the report shows it beside the stock runs, whose baseline it changes."""
@@ -100,7 +105,7 @@ def decode_attention_path(model_path: str, kernels: str, block_size: int, dtype:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return standard_decode_path(heads, getattr(hf, "num_key_value_heads", None) or heads, head_dim,
-                                block_size, getattr(torch, dtype), device)
+                                block_size, max_model_len, getattr(torch, dtype), device)
 
 
 def paired_rewards(folder: Path, mode: str, digest: str) -> list[float]:
@@ -173,12 +178,14 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     folder = out / name / mode
     with patch_list.apply():
         asked = load_config(path, overrides)  # the recipe as asked: what both modes share
-        config = load_config(path, overrides + mode_overrides(mode) + run_overrides(name, mode, folder, group))
+        config = load_config(path, overrides + mode_overrides(mode, asked.tik.max_model_len)
+                             + run_overrides(name, mode, folder, group))
         check_task(config.task)  # a verifier that cannot import or score stops the run here
         checkpoint_seconds = ensure_model(card, config.actor.path)
         metadata = run_metadata(name, mode, config.actor.tik_kernels,
                                 decode_attention_path(config.actor.path, config.actor.tik_kernels,
-                                                      config.tik.kv_block_size, config.actor.dtype))
+                                                      config.tik.kv_block_size, config.tik.max_model_len,
+                                                      config.actor.dtype))
         digest = config_digest(asked)
         history, state = train_tracked(config, metadata, paired_rewards(folder, mode, digest))
     summary = state.summary()

@@ -186,8 +186,8 @@ class EngineConfig:
     def check_kernels(self, kernels: str) -> None:
         """ValueError unless ``kv_block_size`` fits ``kernels``' attention: the unified
         decode kernel reads the paged cache in KV tiles that must not straddle a block.
-        (The standard ops take any block size; torch's paged FlashAttention, their fast decode,
-        wants a multiple of 256, which the recipes' stock mode sets.) ``vocab_parallel``
+        (The standard ops take any block size; their fast decode, FlashAttention over each
+        sequence's rows, wants one block per sequence, which the recipes' stock mode sets.) ``vocab_parallel``
         needs the unified LM head's fixed vocabulary splits."""
         if self.vocab_parallel and kernels != "unified":
             raise ValueError(f"vocab_parallel needs the unified kernels, not {kernels!r}")

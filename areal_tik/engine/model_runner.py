@@ -106,7 +106,7 @@ class ModelRunner:
         self._check_num_blocks(num_blocks)
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         path = getattr(model, "decode_attention_path", None)  # before any graph is captured
-        self.decode_attention = path(self.block_size) if path is not None else "unknown"
+        self.decode_attention = path(self.block_size, config.max_model_len) if path is not None else "unknown"
         logger.info("decode attention: %s", self.decode_attention)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         # The graph plan: the decode buckets and table widths to capture on a GPU. On CPU

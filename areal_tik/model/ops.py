@@ -264,107 +264,111 @@ def _std_store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, validate=True):
         flat.index_copy_(0, target, torch.where(valid[:, None, None], new, fill))
 
 
-# Paged decode for the standard set: torch's FlashAttention varlen with a block table,
-# what a stock engine (vLLM's FlashAttention backend) runs, reading only the blocks a
-# sequence holds. Upstream FlashAttention 2 takes pages of a multiple of 256 tokens, so the
-# stock path runs its engine with 256-token KV blocks (``STANDARD_KV_BLOCK``); anywhere
-# else (CPU, another block size, a torch without the arguments, a failed self-check) the
-# gather + SDPA path below runs, and ``paged_flash_decode_reason`` says why.
-STANDARD_KV_BLOCK = 256
-_paged_flash_failed: list[str] = []
+# Decode for the standard set: FlashAttention 2 (torch's ``_flash_attention_forward``, the
+# kernel under its SDPA), reading each sequence's used K/V only (``seqused_k``): the bytes a
+# stock engine's FlashAttention backend reads. torch 2.11's FlashAttention takes no block
+# table, so the stock path keeps each sequence's K/V in ONE block (``kv_block_size`` >=
+# ``max_model_len``: a static per-sequence cache, ``one_block_per_sequence``); sequence b's
+# K/V are then rows ``[t_b * bs, t_b * bs + len_b)`` of the flattened cache, which the
+# varlen kernel takes as that sequence's start (``cu_seqlens_k[b]``) and length
+# (``seqused_k[b]``). With more than one block per sequence, on a CPU, or after a failed
+# self-check the gather + SDPA path below runs, and ``flash_decode_reason`` says why.
+_flash_decode_failed: list[str] = []
 
 
-def paged_flash_unusable(is_cuda: bool, params, block_size: int, gqa: bool) -> str | None:
-    """Why torch's paged FlashAttention cannot run this decode (None: it can). ``params``:
-    the names ``varlen_attn`` takes (None: torch has no varlen_attn)."""
+def one_block_per_sequence(max_model_len: int) -> int:
+    """The KV block size (a power of two) that holds a whole ``max_model_len`` sequence."""
+    return 1 << max(int(max_model_len) - 1, 1).bit_length()
+
+
+def flash_decode_unusable(is_cuda: bool, has_seqused_k: bool, blocks_per_seq: int) -> str | None:
+    """Why the standard decode cannot run FlashAttention over each sequence's own rows
+    (None: it can)."""
     if not is_cuda:
         return "not on a GPU"
-    if _paged_flash_failed:
-        return f"its self-check failed: {_paged_flash_failed[0]}"
-    if params is None:
-        return "this torch has no torch.nn.attention.varlen.varlen_attn"
-    missing = {"block_table", "seqused_k", "scale"} - set(params)
-    if gqa:
-        missing |= {"enable_gqa"} - set(params)
-    if missing:
-        return f"this torch's varlen_attn lacks {sorted(missing)}"
-    if block_size % STANDARD_KV_BLOCK:
-        return (f"KV blocks of {block_size} tokens (FlashAttention's paged KV wants a multiple of "
-                f"{STANDARD_KV_BLOCK})")
+    if _flash_decode_failed:
+        return f"its self-check failed: {_flash_decode_failed[0]}"
+    if not has_seqused_k:
+        return "this torch's _flash_attention_forward takes no seqused_k"
+    if blocks_per_seq != 1:
+        return (f"{blocks_per_seq} KV blocks per sequence (FlashAttention without a block table "
+                f"reads one contiguous range per sequence)")
     return None
 
 
-def paged_flash_decode_reason(q, k_cache) -> str | None:
-    """None when the standard decode of ``q`` over ``k_cache`` calls torch's paged
-    FlashAttention, else why it gathers the blocks instead."""
-    params = _varlen_params() if q.is_cuda else None
-    return paged_flash_unusable(q.is_cuda, params, k_cache.shape[1], k_cache.shape[2] != q.shape[1])
-
-
 @functools.cache
-def _varlen_params() -> frozenset | None:
-    found = _flash_varlen()
-    return None if found is None else frozenset(inspect.signature(found[0]).parameters)
+def _flash_forward_has_seqused_k() -> bool:
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and any(a.name == "seqused_k" for a in op.default._schema.arguments)
 
 
-def _paged_flash_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale):
-    varlen_attn = _flash_varlen()[0]
-    batch = q.shape[0]
-    lens = context_lens.to(torch.int32)
+def flash_decode_reason(q, blocks_per_seq: int) -> str | None:
+    """None when the standard decode of ``q`` over tables ``blocks_per_seq`` wide calls
+    FlashAttention, else why it gathers the blocks instead."""
+    return flash_decode_unusable(q.is_cuda, q.is_cuda and _flash_forward_has_seqused_k(), blocks_per_seq)
+
+
+def _flash_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale):
+    """One query row per sequence against its one block's first ``context_lens`` rows."""
+    batch, block = q.shape[0], k_cache.shape[1]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    starts = block_tables[:, 0].clamp(0, k_cache.shape[0] - 1).to(torch.int32) * block  # padding rows: block 0
+    cu_k = torch.cat([starts, starts.new_full((1,), flat_k.shape[0])])
     cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
-    cu_k = torch.cat([lens.new_zeros(1), lens.cumsum(0, dtype=torch.int32)])
-    tables = block_tables.clamp(0, k_cache.shape[0] - 1).to(torch.int32)  # padding rows: any real block
-    kwargs = {"enable_gqa": True} if k_cache.shape[2] != q.shape[1] else {}
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return varlen_attn(q, k_cache, v_cache, cu_q, cu_k, 1, tables.shape[1] * k_cache.shape[1],
-                       seqused_k=lens, block_table=tables, scale=scale, **kwargs)
+    out = torch.ops.aten._flash_attention_forward(
+        q, flat_k, flat_v, cu_q, cu_k, 1, block, 0.0, False, False, scale=scale,
+        seqused_k=context_lens.to(torch.int32))[0]
+    return out
 
 
-def check_paged_flash_decode(n_heads: int, n_kv_heads: int, head_dim: int, block_size: int,
-                             dtype, device) -> str | None:
-    """Run the paged FlashAttention decode once, eagerly, against the gather path on a small
-    random cache (before any CUDA-graph capture); on an error or a disagreement beyond bf16
-    rounding it is switched off for the process. Returns why it is not used, or None."""
+def check_flash_decode(n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, blocks_per_seq: int,
+                       dtype, device) -> str | None:
+    """Run the FlashAttention decode once, eagerly, against the gather path on a small random
+    cache (before any CUDA-graph capture); on an error or a disagreement beyond bf16 rounding
+    it is switched off for the process. Returns why it is not used, or None."""
     q = torch.empty(3, n_heads, head_dim, device=device, dtype=dtype)
-    k_cache = torch.empty(4, block_size, n_kv_heads, head_dim, device=device, dtype=dtype)
-    reason = paged_flash_decode_reason(q, k_cache)
+    reason = flash_decode_reason(q, blocks_per_seq)
     if reason is not None:
         return reason
     gen = torch.Generator(device=device).manual_seed(0)
     q.normal_(generator=gen)
-    k_cache.normal_(generator=gen)
+    k_cache = torch.randn(4, block_size, n_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
     v_cache = torch.randn(k_cache.shape, generator=gen, device=device, dtype=dtype)
-    tables = torch.tensor([[2, 0], [1, 3], [3, 2]], device=device, dtype=torch.int32)
-    lens = torch.tensor([block_size + 5, 1, 2 * block_size], device=device, dtype=torch.int32)
+    tables = torch.tensor([[2], [3], [1]], device=device, dtype=torch.int32)  # not in block order
+    lens = torch.tensor([block_size // 2 + 5, 1, block_size], device=device, dtype=torch.int32)
     try:
-        got = _paged_flash_decode(q, k_cache, v_cache, tables, lens, None).float()
+        got = _flash_decode(q, k_cache, v_cache, tables, lens, None).float()
     except (RuntimeError, TypeError, ValueError) as exc:
-        _paged_flash_failed.append(f"{type(exc).__name__}: {exc}")
+        _flash_decode_failed.append(f"{type(exc).__name__}: {exc}")
     else:
         want = _gather_attention_decode(q, k_cache, v_cache, tables, lens, None).float()
         err = (got - want).abs().max().item()
         if not err <= 2e-2 * want.abs().max().item() + 1e-3:
-            _paged_flash_failed.append(f"max |paged - gathered| {err:.3g}")
-    if _paged_flash_failed:
-        warnings.warn(f"standard decode: torch's paged FlashAttention is not used "
-                      f"({_paged_flash_failed[0]}); gathering the blocks instead", RuntimeWarning, stacklevel=2)
-        return paged_flash_decode_reason(q, k_cache)
+            _flash_decode_failed.append(f"max |flash - gathered| {err:.3g}")
+    if _flash_decode_failed:
+        warnings.warn(f"standard decode: FlashAttention is not used ({_flash_decode_failed[0]}); "
+                      f"gathering the blocks instead", RuntimeWarning, stacklevel=2)
+        return flash_decode_reason(q, blocks_per_seq)
     return None
 
 
-def standard_decode_path(n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype, device) -> str:
+def standard_decode_path(n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, max_model_len: int,
+                         dtype, device) -> str:
     """The standard set's decode attention at this shape, after the self-check:
-    "paged-flash" or "gather-sdpa (why)"."""
-    reason = check_paged_flash_decode(n_heads, n_kv_heads, head_dim, block_size, dtype, device)
-    return "paged-flash" if reason is None else f"gather-sdpa ({reason})"
+    "flash-seqused" or "gather-sdpa (why)"."""
+    blocks = -(-max_model_len // block_size)
+    reason = check_flash_decode(n_heads, n_kv_heads, head_dim, block_size, blocks, dtype, device)
+    return "flash-seqused" if reason is None else f"gather-sdpa ({reason})"
 
 
 def _std_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=None, *,
                           validate=True):
-    """Paged decode: torch's paged FlashAttention where it runs (``paged_flash_decode_reason``),
-    otherwise the gather path."""
-    if paged_flash_decode_reason(q, k_cache) is None:
-        return _paged_flash_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)
+    """Paged decode: FlashAttention over each sequence's own rows where it runs
+    (``flash_decode_reason``), otherwise the gather path."""
+    if flash_decode_reason(q, block_tables.shape[1]) is None:
+        return _flash_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)
     return _gather_attention_decode(q, k_cache, v_cache, block_tables, context_lens, softmax_scale)
 
 

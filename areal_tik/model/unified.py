@@ -161,17 +161,19 @@ class UnifiedCausalLM:
         return KVCache.allocate(spec.n_layers, num_blocks, block_size, spec.n_kv_heads, spec.head_dim,
                                 dtype=dtype or self.dtype, device=device or self.device, zero=zero)
 
-    def decode_attention_path(self, block_size: int) -> str:
-        """The paged decode attention this model runs over ``block_size``-token KV blocks:
-        "unified" (the Triton kernel), "paged-flash" (the standard set on torch's paged
-        FlashAttention, checked here once against the gather path) or "gather-sdpa (why)".
-        The engine asks at start-up, before it captures CUDA graphs."""
+    def decode_attention_path(self, block_size: int, max_model_len: int) -> str:
+        """The paged decode attention this model runs over ``block_size``-token KV blocks for
+        sequences of up to ``max_model_len`` tokens: "unified" (the Triton kernel),
+        "flash-seqused" (the standard set on FlashAttention over each sequence's one block,
+        checked here once against the gather path) or "gather-sdpa (why)". The engine asks
+        at start-up, before it captures CUDA graphs."""
         if self.kernels == "unified":
             return "unified"
         from .ops import standard_decode_path
 
         spec = self.spec
-        return standard_decode_path(spec.n_heads, spec.n_kv_heads, spec.head_dim, block_size, self.dtype, self.device)
+        return standard_decode_path(spec.n_heads, spec.n_kv_heads, spec.head_dim, block_size, max_model_len,
+                                    self.dtype, self.device)
 
     def fuse_projections(self) -> int:
         """Lay out every layer's q/k/v and gate/up weights as adjacent rows of one storage
