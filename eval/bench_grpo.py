@@ -85,7 +85,7 @@ def mode_overrides(args, mode: str, model_path: str, workdir: Path) -> list[str]
             f"++rollout.tik_engine={args.tik_engine}"]
     from areal_tik.adapter.run import engine_overrides  # the stock engine's KV blocks, as the recipes run it
 
-    out += [f"++tik.{key}={value}" for key, value in engine_overrides(mode, args.max_model_len).items()]
+    out += [f"++tik.{key}={value}" for key, value in engine_overrides(mode, args.max_model_len, sequences).items()]
     return out + [f"++actor.{key}={str(value).lower() if isinstance(value, bool) else value}"
                   for key, value in actor.items()]
 

@@ -66,4 +66,5 @@ def test_each_mode_is_the_shipped_recipe_plus_overrides(mode, tmp_path):
     assert config.actor.tik_kernels == MODES[mode]["tik_kernels"]
     assert config.actor.tik_reuse_logprobs is MODES[mode]["tik_reuse_logprobs"]
     assert config.experiment_name == f"grpo-bench-tiny-{mode}"
-    assert config.tik.kv_block_size == (256 if mode == "stock" else 64)  # as the recipes' stock mode: one block of 192
+    # as the recipes' stock mode: one block holds a 192-token sequence, one block per sequence
+    assert (config.tik.kv_block_size, config.tik.num_kv_blocks) == ((256, 7) if mode == "stock" else (64, None))

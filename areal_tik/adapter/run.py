@@ -39,22 +39,26 @@ MODES = {
 }
 
 
-def engine_overrides(mode: str, max_model_len: int) -> dict:
+def engine_overrides(mode: str, max_model_len: int, max_num_seqs: int) -> dict:
     """The engine options a mode sets. The stock mode's engine keeps each sequence's K/V in
     one block (a static per-sequence cache) so that its decode runs FlashAttention over the
     rows a sequence holds, as a stock engine's FlashAttention backend reads them (torch's
-    FlashAttention takes no block table). The unified kernels' bits do not depend on the
-    block size; the tik mode keeps the default."""
+    FlashAttention takes no block table), with one block for each of ``max_num_seqs``
+    sequences plus the scratch block: every sequence of a step fits at once, as in a paged
+    cache, whatever memory the static layout wastes. The unified kernels' bits do not
+    depend on the block size; the tik mode keeps the default."""
     from areal_tik.model.ops import one_block_per_sequence
 
-    return {"kv_block_size": one_block_per_sequence(max_model_len)} if mode == "stock" else {}
+    if mode != "stock":
+        return {}
+    return {"kv_block_size": one_block_per_sequence(max_model_len), "num_kv_blocks": max_num_seqs + 1}
 
 
-def mode_overrides(mode: str, max_model_len: int) -> list[str]:
+def mode_overrides(mode: str, max_model_len: int, max_num_seqs: int) -> list[str]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {[*MODES, 'both']}, got {mode!r}")
     return ([f"++actor.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODES[mode].items()]
-            + [f"++tik.{k}={v}" for k, v in engine_overrides(mode, max_model_len).items()])
+            + [f"++tik.{k}={v}" for k, v in engine_overrides(mode, max_model_len, max_num_seqs).items()])
 
 
 def run_overrides(recipe: str, mode: str, folder: Path, group: str) -> list[str]:
@@ -178,7 +182,7 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     folder = out / name / mode
     with patch_list.apply():
         asked = load_config(path, overrides)  # the recipe as asked: what both modes share
-        config = load_config(path, overrides + mode_overrides(mode, asked.tik.max_model_len)
+        config = load_config(path, overrides + mode_overrides(mode, asked.tik.max_model_len, asked.tik.max_num_seqs)
                              + run_overrides(name, mode, folder, group))
         check_task(config.task)  # a verifier that cannot import or score stops the run here
         checkpoint_seconds = ensure_model(card, config.actor.path)
