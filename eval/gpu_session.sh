@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
-#   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_host qualify check bench_rollout bench_prefix
+#   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_host qualify check bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
@@ -86,6 +86,9 @@ for s in $STAGES; do case $s in
   # kernels too small to matter): enqueue ms per layer, HOST_FAST_PATH off and on, and a
   # cProfile top-25 per step kind (~1 minute, most of it compiling).
   probe_std_decode) run probe_std_decode 120 python3 -m eval.probe_std_decode ;;  # the stock decode: FlashAttention over each sequence's one block vs gather + SDPA
+  # One decode step of the engine under torch.profiler, unified then standard kernels (~1 min):
+  # kernel count, busy time and the top kernels of each (PROBE_DECODE_ARGS e.g. --batch 64).
+  probe_decode_step) run probe_decode_step 240 python3 -m eval.probe_decode_step ${PROBE_DECODE_ARGS:-}; cat "$W/probe_decode_step.log" ;;
   probe_host) run probe_host 150 python3 -m eval.probe_host --rows 2048 --start 8192; cat "$W/probe_host.log" ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
            run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json
