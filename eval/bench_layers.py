@@ -10,7 +10,8 @@ FlashAttention varlen / SDPA, torch pointwise ops) from the same weights. Phases
 
 - ``prefill``: PREFILL_SEQS prompts of PREFILL_LEN tokens into a paged KV cache;
 - ``decode_b1`` / ``decode_b16`` / ``decode_b64``: one token for each of B sequences with
-  DECODE_CONTEXT tokens already cached (eager, no CUDA graph, in both sets);
+  DECODE_CONTEXT tokens already cached (eager, no CUDA graph, in both sets; the standard set's
+  cache in one block per sequence, as the recipes' stock mode runs it);
 - ``train_forward``: packed varlen forward of TRAIN_SEQS x TRAIN_LEN tokens with autograd;
 - ``train_backward``: its backward from a fixed random output gradient.
 
@@ -79,8 +80,13 @@ def _packed(seqs: int, length: int, vocab: int, device):
 
 def phase_functions(model, sizes: dict, vocab: int, device) -> dict:
     """Phase name -> a zero-argument callable running it once on ``model``."""
-    block, context = sizes["block"], sizes["decode_context"]
+    from areal_tik.model.ops import one_block_per_sequence
+
+    context = sizes["decode_context"]
     p_seqs, p_len = sizes["prefill"]
+    # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
+    # decode calls FlashAttention over each sequence's rows
+    block = one_block_per_sequence(max(p_len, context + 1)) if model.kernels == "standard" else sizes["block"]
     width = -(-max(p_len, context + 1) // block)  # KV blocks per sequence
     n_seqs = max(p_seqs, 64)
     cache = model.new_kv_cache(n_seqs * width + 1, block, zero=True)
