@@ -2,7 +2,7 @@
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_host qualify check bench_rollout bench_prefix
-#           stage deps vllm_stage vllm_deps bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
+#           stage deps vllm_stage vllm_deps check_areal_vllm bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
@@ -113,6 +113,10 @@ for s in $STAGES; do case $s in
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $KSITE $VSTAGE/wheels/kernels/*.whl; \
           PYTHONPATH=$PWD:$VSITE VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m eval.vllm_generate --check; \
           PYTHONPATH=$KSITE:$KSITE/nvidia_cutlass_dsl/dsl_packages python3 -c 'import liger_kernel.ops.fused_linear_cross_entropy, cutlass, flash_attn.cute; print(\"liger, cutlass, flash_attn.cute import\")'" ;;
+  # AReaL's own vLLM server (areal.engine.vllm_ext.areal_vllm_server, AReaL's command) on this GPU in
+  # the split environment (vLLM site, the image's transformers, then AReaL's site): ready, a
+  # completion with log-probs, a disk weight update, a completion after it (needs deps, vllm_deps)
+  check_areal_vllm) run check_areal_vllm 420 env SITE="$SITE" python3 -m eval.check_areal_vllm ;;
   # vLLM (default and VLLM_BATCH_INVARIANT=1, one process each) beside the areal-tik engine,
   # plus vLLM's log-probs against the unified training forward; one model per call.
   # $BENCH_VLLM_ARGS adds flags (e.g. --modes default, --shapes 64x256 256x256).
