@@ -12,6 +12,10 @@ tokens (EOS ignored), batch 1 / 16 / 64 x 256 / 512 new tokens (``--quick``: bat
 and 64 x 256). Each backend is warmed up at every batch size before timing (Triton
 compiles and CUDA-graph captures happen outside the timed runs).
 
+``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
+residual add + RMSNorm, rope, SiLU-mul, the KV store) under ``torch.compile``, as vLLM
+compiles its model: how much of the standard engine's gap is its elementwise launches.
+
 Reported per run: seconds, tokens/s, and in hardware terms the decode weight stream
 (bytes of the weights read per step x steps / time, as TB/s and as a fraction of the
 measured 4.26 TB/s device copy); ratios unified/standard and engine/HF per shape.
@@ -39,7 +43,11 @@ PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
-BACKENDS = ("unified", "standard", "hf")
+BACKENDS = ("unified", "standard", "hf", "compiled")
+DEFAULT_BACKENDS = ("unified", "standard", "hf")
+# The standard ops that torch.compile fuses in the "compiled" backend: the elementwise chains
+# between the GEMMs and the attention (vLLM compiles its model the same way).
+COMPILED_OPS = ("rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "store_kv_cache")
 
 
 
@@ -77,12 +85,27 @@ def engine_config(shapes, block: int = 64) -> EngineConfig:
                         cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0)
 
 
+def compiled_standard_ops():
+    """The standard set with ``COMPILED_OPS`` under ``torch.compile`` (dynamic shapes, one
+    graph each): a stock engine whose norms, rope, SiLU-mul and KV store run as fused
+    kernels, the rest (cuBLAS, FlashAttention, sampling) unchanged. A benchmark backend only:
+    it measures how much of the standard engine's time is its elementwise launches."""
+    from areal_tik.model.ops import get_ops
+
+    torch.fx.experimental._config.use_duck_shape = False  # no guards on sizes that happen to be equal
+    ops = get_ops("standard")  # a fresh namespace: the shared standard set is not touched
+    for name in COMPILED_OPS:
+        setattr(ops, name, torch.compile(getattr(ops, name), dynamic=True, fullgraph=True))
+    return ops
+
+
 def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
-    """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops."""
-    model = UnifiedCausalLM.from_hf(hf_model, kernels=kernels)
+    """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops ("compiled": the
+    standard set with its elementwise ops compiled)."""
+    model = UnifiedCausalLM.from_hf(hf_model, kernels=compiled_standard_ops() if kernels == "compiled" else kernels)
     # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
     # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
-    block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if kernels == "standard" else 64
+    block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if model.kernels == "standard" else 64
     with LLM(model, engine_config(shapes, block)) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
@@ -94,15 +117,27 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
 
 
 def _time_engine(llm, kernels: str, shapes, vocab: int) -> dict:
-    for batch in sorted({b for b, _ in shapes}):  # warm-up: compiles for every prefill shape
-        llm.generate(make_prompts(batch, vocab, 1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    # warm-up, twice at every batch size: Triton compiles for every prefill shape, and
+    # torch.compile's second call specialises once more (tensors made under inference mode)
+    for seed in (1, 2):
+        for batch in sorted({b for b, _ in shapes}):
+            llm.generate(make_prompts(batch, vocab, seed), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    graphs = _compiled_graphs()
     times = {}
     for batch, new in shapes:
         prompts = make_prompts(batch, vocab)
         params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
         times[(batch, new)] = _timed(lambda: llm.generate(prompts, params))
         print(f"  {kernels:8s} batch {batch:3d} x {new} tokens: {times[(batch, new)]:.2f} s", flush=True)
+    if kernels == "compiled":  # a compilation inside the timed runs is in their seconds: say so
+        print(f"  compiled: {_compiled_graphs() - graphs} torch.compile graphs built in the timed runs", flush=True)
     return times
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def bench_hf(hf_model, shapes, vocab: int) -> dict:
@@ -151,7 +186,8 @@ def ratio_rows(model_name, results, info) -> list[dict]:
         batch, new = shape
         base = dict(info, model=model_name, batch=batch, prompt_len=PROMPT_LEN, new_tokens=new, unit="x")
         pairs = (("unified/standard", "standard", "unified"), ("unified/hf", "hf", "unified"),
-                 ("standard/hf", "hf", "standard"))
+                 ("standard/hf", "hf", "standard"), ("unified/compiled", "compiled", "unified"),
+                 ("compiled/standard", "standard", "compiled"))
         for name, slow, fast in pairs:
             if slow in results and fast in results:
                 rows.append(dict(base, backend=name, metric="speedup",
@@ -161,16 +197,14 @@ def ratio_rows(model_name, results, info) -> list[dict]:
 
 def summarize(results) -> None:
     print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
-          + f" {'uni/std':>8} {'uni/hf':>8}")
+          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8}")
     for shape in results["unified"]:
         batch, new = shape
         rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
         uni = results["unified"][shape]
-        std = results.get("standard", {}).get(shape)
-        hf = results.get("hf", {}).get(shape)
-        r1 = f"{std / uni:8.2f}" if std else f"{'-':>8}"
-        r2 = f"{hf / uni:8.2f}" if hf else f"{'-':>8}"
-        print(f"{batch:5d} {new:4d} {rates} {r1} {r2}")
+        ratios = " ".join(f"{results[b][shape] / uni:8.2f}" if shape in results.get(b, {}) else f"{'-':>8}"
+                          for b in ("standard", "hf", "compiled"))
+        print(f"{batch:5d} {new:4d} {rates} {ratios}")
 
 
 
@@ -179,7 +213,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", choices=list(RANDOM_INIT))
     parser.add_argument("--quick", action="store_true", help="batch 1 and 64 x 256 tokens (< 90 s)")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(DEFAULT_BACKENDS),
+                        help="compiled: the standard set with its elementwise ops under torch.compile")
     parser.add_argument("--out", default=str(REPO / "eval" / "results"), help="CSV file or folder")
     parser.add_argument("--device", default="cuda", help="cpu only smoke-tests the plumbing (tiny models)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="BATCHxNEW",
