@@ -82,13 +82,13 @@ for s in $STAGES; do case $s in
   # Its model part gives the host enqueue with _common.HOST_FAST_PATH off and on, and a cProfile
   # top-25 (tottime) of one eager 2048-token chunk at 8K.
   probe_mixed) run probe_mixed 180 python3 -m eval.probe_mixed; cat "$W/probe_mixed.log" ;;  # all of it
-  # The host path of an eager prefill step alone (tiny Qwen3-shaped model, 28 layers, GPU
-  # kernels too small to matter): enqueue ms per layer, HOST_FAST_PATH off and on, and a
-  # cProfile top-25 per step kind (~1 minute, most of it compiling).
   probe_std_decode) run probe_std_decode 120 python3 -m eval.probe_std_decode ;;  # the stock decode: FlashAttention over each sequence's one block vs gather + SDPA
   # One decode step of the engine under torch.profiler, unified then standard kernels (~1 min):
   # kernel count, busy time and the top kernels of each (PROBE_DECODE_ARGS e.g. --batch 64).
   probe_decode_step) run probe_decode_step 240 python3 -m eval.probe_decode_step ${PROBE_DECODE_ARGS:-}; cat "$W/probe_decode_step.log" ;;
+  # The host path of an eager prefill step alone (tiny Qwen3-shaped model, 28 layers, GPU
+  # kernels too small to matter): enqueue ms per layer, HOST_FAST_PATH off and on, and a
+  # cProfile top-25 per step kind (~1 minute, most of it compiling).
   probe_host) run probe_host 150 python3 -m eval.probe_host --rows 2048 --start 8192; cat "$W/probe_host.log" ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
            run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json

@@ -107,7 +107,12 @@ class ModelRunner:
         self.kv_cache = model.new_kv_cache(num_blocks, self.block_size)
         path = getattr(model, "decode_attention_path", None)  # before any graph is captured
         self.decode_attention = path(self.block_size, config.max_model_len) if path is not None else "unknown"
-        logger.info("decode attention: %s", self.decode_attention)
+        if self.device.type == "cuda" and self.decode_attention.startswith("gather-sdpa"):
+            # the slow path on a GPU: said where it is seen, with what would avoid it
+            logger.warning("decode attention: %s; the standard decode gathers every block of its tables "
+                           "(kv_block_size >= max_model_len lets it run FlashAttention)", self.decode_attention)
+        else:
+            logger.info("decode attention: %s", self.decode_attention)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         # The graph plan: the decode buckets and table widths to capture on a GPU. On CPU
         # nothing is captured, but the plan still says which bucket a decode batch pads to
