@@ -96,7 +96,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def _capture_one(self, decode, inputs: dict, key: tuple[int, int], pool, device):
-        decode(**inputs)  # warm-up: compiles kernels for this shape
+        for _ in range(2):  # warm-up: compiles kernels for this shape (twice: a torch.compile'd
+            decode(**inputs)  # op of a custom kernel set may specialise again on its second call)
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
