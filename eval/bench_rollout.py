@@ -13,8 +13,9 @@ and 64 x 256). Each backend is warmed up at every batch size before timing (Trit
 compiles and CUDA-graph captures happen outside the timed runs).
 
 ``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
-residual add + RMSNorm, rope, SiLU-mul, the KV store) under ``torch.compile``, as vLLM
-compiles its model: how much of the standard engine's gap is its elementwise launches.
+residual add + RMSNorm, rope, SiLU-mul) under ``torch.compile``, as vLLM compiles its model
+(``areal_tik.model.ops.compiled_standard_ops``; the recipes' stock engine runs it): how much of
+the standard engine's gap is its elementwise launches.
 
 Reported per run: seconds, tokens/s, and in hardware terms the decode weight stream
 (bytes of the weights read per step x steps / time, as TB/s and as a fraction of the
@@ -37,7 +38,7 @@ from eval.harness import run_info, write_csv  # noqa: E402
 from areal_tik.cli import RANDOM_INIT  # noqa: E402
 from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
-from areal_tik.model.ops import one_block_per_sequence  # noqa: E402
+from areal_tik.model.ops import compiled_standard_ops, one_block_per_sequence  # noqa: E402
 
 PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
@@ -45,11 +46,6 @@ FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
 BACKENDS = ("unified", "standard", "hf", "compiled")
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
-# The standard ops that torch.compile fuses in the "compiled" backend: the elementwise chains
-# between the GEMMs and the attention (vLLM compiles its model the same way).
-COMPILED_OPS = ("rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "store_kv_cache")
-
-
 
 
 def make_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -83,20 +79,6 @@ def engine_config(shapes, block: int = 64) -> EngineConfig:
     return EngineConfig(max_num_seqs=max_bs, max_model_len=max_len, kv_block_size=block,
                         num_kv_blocks=max_bs * -(-max_len // block) + 1, cuda_graphs=True,
                         cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0)
-
-
-def compiled_standard_ops():
-    """The standard set with ``COMPILED_OPS`` under ``torch.compile`` (dynamic shapes, one
-    graph each): a stock engine whose norms, rope, SiLU-mul and KV store run as fused
-    kernels, the rest (cuBLAS, FlashAttention, sampling) unchanged. A benchmark backend only:
-    it measures how much of the standard engine's time is its elementwise launches."""
-    from areal_tik.model.ops import get_ops
-
-    torch.fx.experimental._config.use_duck_shape = False  # no guards on sizes that happen to be equal
-    ops = get_ops("standard")  # a fresh namespace: the shared standard set is not touched
-    for name in COMPILED_OPS:
-        setattr(ops, name, torch.compile(getattr(ops, name), dynamic=True, fullgraph=True))
-    return ops
 
 
 def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:

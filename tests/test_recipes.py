@@ -76,15 +76,16 @@ def test_run_command_answers_a_bad_recipe_or_mode_with_the_choices(capsys):
     assert [line.split()[0] for line in listed] == [c.name for c in recipes.CARDS]
 
 
-def test_the_modes_differ_only_in_kernels_reuse_recompute_and_the_stock_kv_block(loaded):
+def test_the_modes_differ_only_in_kernels_reuse_recompute_and_the_stock_engine(loaded):
     from areal_tik.adapter.run import mode_overrides
 
     assert mode_overrides("tik", 1024, 128) == ["++actor.unified_kernels=true", "++actor.tik_kernels=unified",
                                                 "++actor.tik_reuse_logprobs=true"]
     assert mode_overrides("stock", 1024, 128) == ["++actor.unified_kernels=true", "++actor.tik_kernels=standard",
                                                   "++actor.tik_reuse_logprobs=false", "++actor.recompute_logprob=true",
-                                                  "++tik.kv_block_size=1024", "++tik.num_kv_blocks=129"]
-    assert mode_overrides("stock", 640, 8)[-2:] == ["++tik.kv_block_size=1024", "++tik.num_kv_blocks=9"]
+                                                  "++tik.kv_block_size=1024", "++tik.num_kv_blocks=129",
+                                                  "++tik.compile_standard_ops=true"]
+    assert mode_overrides("stock", 640, 8)[-3:-1] == ["++tik.kv_block_size=1024", "++tik.num_kv_blocks=9"]
     # every recipe's stock engine holds a whole sequence in one block (its decode's FlashAttention
     # path reads one contiguous range per sequence), a block for each sequence of a step plus
     # the scratch block, and EngineConfig accepts it
@@ -93,7 +94,9 @@ def test_the_modes_differ_only_in_kernels_reuse_recompute_and_the_stock_kv_block
         config = load_config(recipes.recipe_file(name), mode_overrides("stock", asked.max_model_len, asked.max_num_seqs))
         assert config.tik.max_blocks_per_seq == 1 and config.tik.kv_block_size < 2 * asked.max_model_len, name
         assert config.tik.num_kv_blocks == asked.max_num_seqs + 1, name
+        assert config.tik.compile_standard_ops is True and asked.compile_standard_ops is False, name
         config.tik.__post_init__()  # EngineConfig's own checks
+        config.tik.check_kernels(config.actor.tik_kernels)
 
 
 def test_every_recipe_builds_its_task_and_its_verifier_accepts_the_tasks_answers(loaded):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_tik.model.ops import COMPILED_STANDARD_OPS
 from areal_tik.report.cli import add_arguments, main
 from areal_tik.report.runs import load_runs, pair_runs, summary_table
 
@@ -27,12 +28,15 @@ def step(i, reward, tokens, seconds):
             "phases": {"rollout": seconds / 2, "train_step": seconds / 2}, "tik": {"audit_passed": 1.0}}
 
 
-def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d", decode=None) -> Path:
+def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d", decode=None,
+              compiled=()) -> Path:
     folder = root / recipe / mode
     folder.mkdir(parents=True)
     metadata = {"commit": "abc", "gpu": "cpu", "kernel_set": mode}
     if decode is not None:
         metadata["decode_attention"] = decode
+    if compiled:
+        metadata["compiled_ops"] = list(compiled)
     (folder / "run.json").write_text(json.dumps({
         "format": 1, "recipe": recipe, "mode": mode, "seeds": {"seed": seed, "task_seed": 1},
         "steps": len(steps), "config_digest": digest, "group": f"{recipe}-seed{seed}",
@@ -144,7 +148,9 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert row[5] == (f"{rewards[0] / rewards[1]:.3f}x" if rewards[1] else "n/a")
     assert row[7] == tik["summary"]["verdict"] and paper[2] == "1.100x" and paper[5] == "1.000x"
     assert tik["metadata"]["decode_attention"] == "unified"
-    assert row[8] == stock["metadata"]["decode_attention"] == "gather-sdpa (not on a GPU)"
+    assert stock["metadata"]["decode_attention"] == "gather-sdpa (not on a GPU)"
+    assert stock["metadata"]["compiled_ops"] == list(COMPILED_STANDARD_OPS) and tik["metadata"]["compiled_ops"] == []
+    assert row[8] == "gather-sdpa (not on a GPU) + torch.compile"
     assert "These means mix" not in page
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
     assert "Runs on a CPU" in page  # the interpreted kernels' throughput is flagged
@@ -303,13 +309,17 @@ def test_a_mean_over_stock_runs_on_different_decode_paths_says_so(tmp_path):
     write_run(tmp_path, "stock", [step(1, 0.5, 100, 2.0)], recipe="a", decode="flash-seqused")
     write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="b")
     write_run(tmp_path, "stock", [step(1, 0.5, 100, 3.0)], recipe="b")
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="c", decode="unified")
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.5)], recipe="c", decode="flash-seqused", compiled=["rms_norm"])
     rows, means = summary_table(pair_runs(load_runs([tmp_path])), warmup=0)
-    assert {r["recipe"]: r["stock_decode"] for r in rows} == {"a": "flash-seqused", "b": "gather-sdpa"}
-    assert means["stock_decode_paths"] == ["flash-seqused", "gather-sdpa"]
+    assert {r["recipe"]: r["stock_decode"] for r in rows} == {"a": "flash-seqused", "b": "gather-sdpa",
+                                                              "c": "flash-seqused + torch.compile"}
+    assert means["stock_decode_paths"] == ["flash-seqused", "flash-seqused + torch.compile", "gather-sdpa"]
     out = tmp_path / "report"
     assert main(report_args([tmp_path], out, warmup=0)) == 0
     page = (out / "index.html").read_text()
-    assert "These means mix stock runs on different decode attention paths (flash-seqused, gather-sdpa)" in page
+    assert ("These means mix stock runs on different rollout paths (flash-seqused, flash-seqused + "
+            "torch.compile, gather-sdpa;") in page
     only_a = tmp_path / "only_a"
     shutil.copytree(tmp_path / "a", only_a / "a")
     assert main(report_args([only_a], tmp_path / "report_a", warmup=0)) == 0

@@ -53,8 +53,10 @@ def build_llm(engine_config, model_path: str, dtype: torch.dtype, kernels: str, 
 
     from areal_tik.engine import LLM
     from areal_tik.model import UnifiedCausalLM
+    from areal_tik.model.ops import engine_ops
 
-    model = UnifiedCausalLM.from_pretrained(model_path, dtype=dtype, device=device, kernels=kernels,
+    model = UnifiedCausalLM.from_pretrained(model_path, dtype=dtype, device=device,
+                                            kernels=engine_ops(kernels, engine_config.compile_standard_ops),
                                             k_groups=engine_config.k_groups)
     max_len = min(engine_config.max_model_len, model.spec.max_positions)
     if max_len < engine_config.max_model_len:

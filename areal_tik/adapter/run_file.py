@@ -48,9 +48,11 @@ def _command_output(cmd: list[str], cwd=None) -> str | None:
         return None
 
 
-def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str = "unknown") -> dict:
-    """Commit, device, driver and library versions of this process, the run's names, and
-    the paged decode attention its engine runs (``decode_attention_path``)."""
+def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str = "unknown",
+                 compiled_ops=()) -> dict:
+    """Commit, device, driver and library versions of this process, the run's names, the
+    paged decode attention its engine runs (``decode_attention_path``) and the standard ops
+    its engine runs under torch.compile (``EngineConfig.compile_standard_ops``)."""
     import areal
     import torch
     import transformers
@@ -65,7 +67,8 @@ def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str 
         "driver": driver.splitlines()[0] if driver else "none",
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "transformers": transformers.__version__, "areal": getattr(areal, "__version__", "unknown"),
-        "kernel_set": kernel_set, "decode_attention": decode_attention, "recipe": recipe, "mode": mode,
+        "kernel_set": kernel_set, "decode_attention": decode_attention, "compiled_ops": list(compiled_ops),
+        "recipe": recipe, "mode": mode,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -413,12 +413,13 @@ def build_llm(args, device: str | None = None, tensor_parallel=None):
     from areal_tik.commands.flags import dataclass_from_args
     from areal_tik.engine import LLM, EngineConfig
     from areal_tik.model import UnifiedCausalLM
-
+    from areal_tik.model.ops import engine_ops
     from areal_tik.model.tensor_parallel import shard_model
 
     device = device or args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = UnifiedCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=device,
-                                            kernels=args.kernels, k_groups=args.k_groups)
+                                            kernels=engine_ops(args.kernels, args.compile_standard_ops),
+                                            k_groups=args.k_groups)
     config = dataclass_from_args(EngineConfig, args,
                                  max_model_len=min(args.max_model_len, model.spec.max_positions))
     config.check_kernels(model.kernels)

@@ -62,6 +62,10 @@ class EngineConfig:
         True, "Unified kernels on a GPU: compile every Triton kernel variant rollout launches (prefill "
               "up to the token budget, paged prefill, decode, sampling) when the engine starts, so no "
               "request waits for a compilation. False only to shorten start-up in throwaway runs.")
+    compile_standard_ops: bool = _option(
+        False, "Standard kernels only: run their elementwise chains (RMSNorm, residual add + RMSNorm, "
+               "rope, SiLU-mul) under torch.compile, as vLLM compiles its model, compiled at their first "
+               "calls; the recipes' stock mode sets it. The unified kernels refuse it.")
     seed: int = _option(0, "Derives the sampling key of requests that carry no seed.")
     enable_prefix_caching: bool = _option(
         False, "Reuse the K/V of full blocks of earlier sequences with the same token prefix (the n "
@@ -117,6 +121,8 @@ class EngineConfig:
             self.cuda_graph_sizes = sizes
         if not isinstance(self.compile_at_start, bool):
             raise TypeError(f"compile_at_start must be a bool, got {self.compile_at_start!r}")
+        if not isinstance(self.compile_standard_ops, bool):
+            raise TypeError(f"compile_standard_ops must be a bool, got {self.compile_standard_ops!r}")
         _check_int("seed", self.seed)
         self._check_prefix_and_chunks()
         self._check_parallel()
@@ -188,11 +194,14 @@ class EngineConfig:
         decode kernel reads the paged cache in KV tiles that must not straddle a block.
         (The standard ops take any block size; their fast decode, FlashAttention over each
         sequence's rows, wants one block per sequence, which the recipes' stock mode sets.) ``vocab_parallel``
-        needs the unified LM head's fixed vocabulary splits."""
+        needs the unified LM head's fixed vocabulary splits; ``compile_standard_ops`` the standard set."""
         if self.vocab_parallel and kernels != "unified":
             raise ValueError(f"vocab_parallel needs the unified kernels, not {kernels!r}")
         if kernels != "unified":
             return
+        if self.compile_standard_ops:
+            raise ValueError("compile_standard_ops compiles the standard kernels' elementwise ops; "
+                             "the unified kernels are Triton kernels already: leave it off")
         tile = attention_kv_tile()
         if self.kv_block_size % tile:
             raise ValueError(

@@ -434,6 +434,35 @@ def _standard_ops():
     return types.SimpleNamespace(kind="standard", **_STANDARD)
 
 
+# The standard ops a stock engine compiles: the elementwise chains between the GEMMs and the
+# attention (vLLM compiles its model the same way). Not the KV store: compiled, its in-place
+# write into the whole cache (a graph input) made decode 3-4x slower than eager on the H200,
+# and one index_copy launch has nothing to fuse.
+COMPILED_STANDARD_OPS = ("rms_norm", "add_rms_norm", "apply_rope", "silu_mul")
+
+
+def compiled_standard_ops(names=COMPILED_STANDARD_OPS):
+    """A fresh standard set with ``names`` under ``torch.compile`` (dynamic shapes, one graph
+    each): a stock engine whose norms, rope and SiLU-mul run as fused kernels, the rest
+    (cuBLAS, FlashAttention, sampling) unchanged. The shared standard set is not touched.
+    Compilation happens at each op's first calls (an engine's first prefill, its graph
+    captures); duck shaping is turned off so that no guard ties sizes that happen to be equal."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    ops = _standard_ops()
+    for name in names:
+        setattr(ops, name, torch.compile(getattr(ops, name), dynamic=True, fullgraph=True))
+    return ops
+
+
+def engine_ops(kernels: str, compile_standard_ops: bool = False):
+    """The ops an engine runs for ``kernels``: the compiled standard set when ``kernels`` is
+    "standard" and ``compile_standard_ops`` is set (``EngineConfig.compile_standard_ops``),
+    otherwise ``kernels`` itself."""
+    return compiled_standard_ops() if compile_standard_ops and kernels == "standard" else kernels
+
+
 # --------------------------------------------------------------------------- selection
 
 

@@ -38,7 +38,7 @@ def main(args) -> int:
           f"{fmt(means['reward_ratio_mean'])}, over the {means['reward_ratio_real_configurations']} with real "
           f"weights {fmt(means['reward_ratio_mean_real'])} (paper 1.00x)")
     if len(means["stock_decode_paths"]) > 1:
-        print(f"note: these means mix stock decode paths ({', '.join(means['stock_decode_paths'])})")
+        print(f"note: these means mix stock rollout paths ({', '.join(means['stock_decode_paths'])})")
     print(f"wrote {page}")
     if args.wandb_project:
         from .wandb_report import publish

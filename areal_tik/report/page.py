@@ -108,8 +108,9 @@ def summary_html(rows: list[dict], means: dict) -> str:
             f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td><td></td></tr>")
     paths = means.get("stock_decode_paths", [])
     mixed = ("" if len(paths) < 2 else
-             f"<p class='note'>These means mix stock runs on different decode attention paths "
-             f"({html.escape(', '.join(paths))}): the stock baseline is not the same in every row.</p>")
+             f"<p class='note'>These means mix stock runs on different rollout paths "
+             f"({html.escape(', '.join(paths))}; the decode attention, and '+ torch.compile' where the "
+             f"engine compiled its elementwise ops): the stock baseline is not the same in every row.</p>")
     return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>{mixed}"
 
 
@@ -145,7 +146,7 @@ def startup_html(pair: Pair) -> str:
 
 def meta_html(run: dict) -> str:
     m = run["metadata"]
-    keys = ("commit", "gpu", "driver", "torch", "triton", "cuda", "kernel_set", "decode_attention", "date")
+    keys = ("commit", "gpu", "driver", "torch", "triton", "cuda", "kernel_set", "decode_attention", "compiled_ops", "date")
     return f"<p class='meta'>{html.escape(run['mode'])}: " + ", ".join(
         f"{k} {html.escape(str(m.get(k)))}" for k in keys) + "</p>"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,9 +136,12 @@ def real_weights(recipe: str) -> bool:
 
 
 def stock_decode(run: dict) -> str:
-    """The stock run's paged decode attention; run files from before the field ran the
-    gather path (the only one the standard set had)."""
-    return run.get("metadata", {}).get("decode_attention") or "gather-sdpa"
+    """The stock run's paged decode attention, with "+ torch.compile" when its engine compiled
+    the standard elementwise ops; run files from before the field ran the gather path (the
+    only one the standard set had), eagerly."""
+    meta = run.get("metadata", {})
+    path = meta.get("decode_attention") or "gather-sdpa"
+    return f"{path} + torch.compile" if meta.get("compiled_ops") else path
 
 
 def summary_row(pair: Pair, warmup: int) -> dict:
@@ -172,5 +176,5 @@ def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
     means["reward_ratio_mean_real"] = _mean(real)
     means["reward_ratio_real_configurations"] = len(real)
     # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
-    means["stock_decode_paths"] = sorted({r["stock_decode"].split(" (")[0] for r in rows})
+    means["stock_decode_paths"] = sorted({re.sub(r" \(.*?\)", "", r["stock_decode"]) for r in rows})
     return rows, {**means, "paper_throughput": PAPER_THROUGHPUT, "paper_reward": PAPER_REWARD}
