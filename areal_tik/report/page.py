@@ -81,7 +81,7 @@ SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole"
                    ("throughput_steady", "throughput tik/stock (steady state)"),
                    ("throughput_process", "throughput tik/stock (whole process)"),
                    ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
-                   ("audit", "audit"), ("stock_decode", "stock decode attention"))
+                   ("audit", "audit"), ("stock_decode", "stock rollout path (decode attention, compiled ops)"))
 
 
 def _cell(key: str, value) -> str:
