@@ -29,7 +29,7 @@ def step(i, reward, tokens, seconds):
 
 
 def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d", decode=None,
-              compiled=()) -> Path:
+              compiled=(), asked=None) -> Path:
     folder = root / recipe / mode
     folder.mkdir(parents=True)
     metadata = {"commit": "abc", "gpu": "cpu", "kernel_set": mode}
@@ -40,6 +40,7 @@ def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, dige
     (folder / "run.json").write_text(json.dumps({
         "format": 1, "recipe": recipe, "mode": mode, "seeds": {"seed": seed, "task_seed": 1},
         "steps": len(steps), "config_digest": digest, "group": f"{recipe}-seed{seed}",
+        **({} if asked is None else {"config_asked": asked}),
         "metadata": metadata, "per_step": steps,
         "summary": {"verdict": "all 1 audits bitwise equal", "audited_tokens": 8}}))
     return folder
@@ -80,6 +81,22 @@ def test_an_incomparable_pair_is_refused_naming_the_difference(tmp_path, field, 
         assert "recipe a" in str(info.value) and "recipe b" in str(info.value)
 
 
+def test_a_config_refusal_names_the_fields_that_differ_when_the_run_files_keep_them(tmp_path):
+    """A field one run's code had and the other's did not shows as '-' on the other side; run
+    files that keep no fields (written before they did) are named instead."""
+    asked = {"actor.lr": "1e-06", "tik.max_num_seqs": "64"}
+    write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], digest="x", asked=asked)
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.0)], digest="y",
+              asked={**asked, "actor.lr": "2e-06", "tik.compile_standard_ops": "false"})
+    with pytest.raises(ValueError, match=r"different config .*fields that differ .*: actor\.lr \(tik 1e-06, "
+                                         r"stock 2e-06\), tik\.compile_standard_ops \(tik -, stock false\)$"):
+        main(report_args([tmp_path], tmp_path / "out"))
+    write_run(tmp_path / "old", "tik", [step(1, 0.5, 100, 1.0)], digest="x")
+    write_run(tmp_path / "old", "stock", [step(1, 0.5, 100, 1.0)], digest="y", asked=asked)
+    with pytest.raises(ValueError, match="no fields of the recipe as asked in the tik run file"):
+        main(report_args([tmp_path / "old"], tmp_path / "out"))
+
+
 def test_different_steps_are_refused(tmp_path):
     write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0), step(2, 0.5, 100, 1.0)])
     write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.0)])
@@ -115,6 +132,7 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     tik, stock = (json.loads((runs / "chain_sum_grpo_tiny_cpu" / m / "run.json").read_text())
                   for m in ("tik", "stock"))
     assert tik["group"] == stock["group"] and tik["config_digest"] == stock["config_digest"]
+    assert tik["config_asked"] == stock["config_asked"] and tik["config_asked"]["total_train_steps"] == "1"
     assert tik["metadata"]["kernel_set"] == "unified" and stock["metadata"]["kernel_set"] == "standard"
     assert tik["summary"]["reuse_active"] and not stock["summary"]["reuse_active"]
     assert tik["per_step"][0]["phases"]["recompute_logp"] == 0.0 < stock["per_step"][0]["phases"]["recompute_logp"]

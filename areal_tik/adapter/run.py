@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from . import recipes
-from .run_file import RUN_FILE, config_digest, derived_metrics, run_metadata, write_run_file
+from .run_file import RUN_FILE, config_digest, config_fields, derived_metrics, run_metadata, write_run_file
 
 MODES = {
     "tik": {"unified_kernels": True, "tik_kernels": "unified", "tik_reuse_logprobs": True},
@@ -211,7 +211,8 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     summary = state.summary()
     return write_run_file(folder, recipe=name, mode=mode, config=config, digest=digest, group=group,
                           metadata=metadata, history=history, summary=summary,
-                          process_seconds=time.perf_counter() - start, checkpoint_seconds=checkpoint_seconds)
+                          process_seconds=time.perf_counter() - start, checkpoint_seconds=checkpoint_seconds,
+                          asked_fields=config_fields(asked))
 
 
 def add_arguments(parser) -> None:

@@ -79,6 +79,23 @@ def config_digest(config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def config_fields(config) -> dict[str, str]:
+    """A typed config's fields flattened to dotted keys, each value as JSON: what the run file
+    keeps of the recipe as asked, so that a report refusing two runs whose digests differ can
+    name the fields that differ."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        else:
+            flat[prefix] = json.dumps(value, sort_keys=True, default=str)
+
+    walk("", dataclasses.asdict(config))
+    return flat
+
+
 def _number(value) -> float:
     try:
         value = float(value)
@@ -115,13 +132,16 @@ def step_record(step: int, stats: dict) -> dict:
 
 def write_run_file(folder: Path, *, recipe: str, mode: str, config, digest: str, group: str,
                    metadata: dict, history: list[dict], summary: dict, process_seconds: float,
-                   checkpoint_seconds: float) -> Path:
+                   checkpoint_seconds: float, asked_fields: dict[str, str] | None = None) -> Path:
+    """``config``: the config the run ran; ``digest`` and ``asked_fields`` (``config_fields``):
+    the recipe as asked, which the two modes of a comparison share."""
     folder.mkdir(parents=True, exist_ok=True)
     per_step = [step_record(i, h) for i, h in enumerate(history, start=1)]
     record = {
         "format": FORMAT, "recipe": recipe, "mode": mode,
         "seeds": {"seed": config.seed, "task_seed": config.task.seed},
-        "steps": len(history), "config_digest": digest, "group": group, "metadata": metadata,
+        "steps": len(history), "config_digest": digest, "config_asked": asked_fields or {},
+        "group": group, "metadata": metadata,
         "summary": summary, "per_step": per_step,
         "process_seconds": process_seconds, "checkpoint_seconds": checkpoint_seconds,
         "startup_seconds": process_seconds - checkpoint_seconds - sum(s["step_seconds"] for s in per_step),

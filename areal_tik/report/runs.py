@@ -60,12 +60,29 @@ def _describe(run: dict) -> str:
 
 
 def check_comparable(tik: dict, stock: dict) -> None:
-    """ValueError naming the first difference that makes the two runs incomparable."""
+    """ValueError naming the first difference that makes the two runs incomparable (for
+    configs, the fields that differ when both run files keep the recipe as asked)."""
     for key, label in (("recipe", "recipe"), ("seeds", "seeds"), ("steps", "steps"),
                        ("config_digest", "config (digest of the recipe as asked)")):
         if tik[key] != stock[key]:
+            detail = config_difference(tik, stock) if key == "config_digest" else ""
             raise ValueError(f"not a comparable pair: different {label}: tik {tik[key]!r} in {tik['path']} "
-                             f"vs stock {stock[key]!r} in {stock['path']}")
+                             f"vs stock {stock[key]!r} in {stock['path']}{detail}")
+
+
+def config_difference(tik: dict, stock: dict, limit: int = 12) -> str:
+    """'; fields that differ: ...' from the run files' ``config_asked`` (a field in one run
+    only: one run's code had it, the other's did not), or why they cannot be named."""
+    fields = {mode: run.get("config_asked") or {} for mode, run in (("tik", tik), ("stock", stock))}
+    missing = [mode for mode, f in fields.items() if not f]
+    if missing:
+        return (f"; no fields of the recipe as asked in the {' and '.join(missing)} run file "
+                "(older run files keep none), so the fields that differ cannot be named")
+    keys = sorted(set(fields["tik"]) | set(fields["stock"]))
+    diffs = [f"{k} (tik {fields['tik'].get(k, '-')}, stock {fields['stock'].get(k, '-')})"
+             for k in keys if fields["tik"].get(k) != fields["stock"].get(k)]
+    more = f", and {len(diffs) - limit} more" if len(diffs) > limit else ""
+    return f"; fields that differ ('-': not in that run's config): {', '.join(diffs[:limit])}{more}"
 
 
 def pair_runs(runs: list[dict]) -> list[Pair]:
