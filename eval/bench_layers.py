@@ -15,6 +15,11 @@ FlashAttention varlen / SDPA, torch pointwise ops) from the same weights. Phases
 - ``train_forward``: packed varlen forward of TRAIN_SEQS x TRAIN_LEN tokens with autograd;
 - ``train_backward``: its backward from a fixed random output gradient.
 
+The stock rollout phases (prefill, decode) run the standard set as the recipes' stock engine
+does since 1c44a86: its norms, rope and SiLU-mul under ``torch.compile``
+(``compiled_standard_ops``, as vLLM compiles its model); its training phases stay eager, as in
+AReaL's FSDP actor. ``--stock-rollout eager`` gives the eager rollout phases of earlier runs.
+
 Reported per model: each phase's mean time for both sets and stock/unified, and the
 ratio of summed phase times (stock sum / unified sum; the paper: 1.40x). ``--tiny`` uses
 tiny shapes of the same families (for a CPU smoke run under the Triton interpreter).
@@ -58,9 +63,11 @@ def layer_config(model: str, tiny: bool):
 
 
 def _timed(fn, reps: int, cuda: bool) -> float:
-    """Mean seconds per call over ``reps`` calls, after one warm-up call on a GPU
-    (compilation; the interpreter compiles nothing)."""
+    """Mean seconds per call over ``reps`` calls, after two warm-up calls on a GPU
+    (compilation: Triton's, and torch.compile's, which may specialise again on its second
+    call; the interpreter compiles nothing)."""
     if cuda:
+        fn()
         fn()
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -115,8 +122,9 @@ def phase_functions(model, sizes: dict, vocab: int, device) -> dict:
     return fns
 
 
-def bench_model(name: str, tiny: bool, reps: int, device) -> list[dict]:
+def bench_model(name: str, tiny: bool, reps: int, device, stock_rollout: str = "compiled") -> list[dict]:
     from areal_tik.model import UnifiedCausalLM, random_model
+    from areal_tik.model.ops import compiled_standard_ops
 
     cuda = device.type == "cuda"
     hf = random_model(layer_config(name, tiny), device=device, seed=0)
@@ -125,13 +133,19 @@ def bench_model(name: str, tiny: bool, reps: int, device) -> list[dict]:
     for kernels in KERNEL_SETS:
         model = UnifiedCausalLM(hf, kernels=kernels)
         fns = phase_functions(model, sizes, hf.config.vocab_size, device)
+        if kernels == "standard" and stock_rollout == "compiled":  # the same weights, compiled ops
+            rollout = phase_functions(UnifiedCausalLM(hf, kernels=compiled_standard_ops()), sizes,
+                                      hf.config.vocab_size, device)
+            fns.update({p: rollout[p] for p in PHASES if p.startswith(("prefill", "decode"))})
         for phase in PHASES:
             if phase == "train_backward":
                 seconds = _timed(fns[phase](), reps, cuda)
             else:
                 with torch.no_grad() if phase.startswith(("prefill", "decode")) else torch.enable_grad():
                     seconds = _timed(fns[phase], reps, cuda)
-            rows.append({"model": name, "kernels": kernels, "phase": phase, "seconds": seconds})
+            compiled = kernels == "standard" and stock_rollout == "compiled" and phase.startswith(("prefill", "decode"))
+            rows.append({"model": name, "kernels": kernels, "phase": phase, "seconds": seconds,
+                         "ops": "compiled" if compiled else "eager"})
         hf.zero_grad(set_to_none=True)
     return rows
 
@@ -143,7 +157,10 @@ def summarize(rows: list[dict]) -> tuple[list[str], dict[str, float]]:
         t = {(r["kernels"], r["phase"]): r["seconds"] for r in rows if r["model"] == model}
         per_phase = [f"{p} {t['standard', p] / t['unified', p]:.2f}x" for p in PHASES]
         ratios[model] = sum(t["standard", p] for p in PHASES) / sum(t["unified", p] for p in PHASES)
-        lines.append(f"{model}: summed phase time stock/unified {ratios[model]:.3f}x ({', '.join(per_phase)})")
+        ops = sorted({r.get("ops", "eager") for r in rows if r["model"] == model and r["kernels"] == "standard"
+                      and r["phase"].startswith(("prefill", "decode"))})
+        lines.append(f"{model}: summed phase time stock/unified {ratios[model]:.3f}x ({', '.join(per_phase)}); "
+                     f"stock rollout ops {'/'.join(ops)}")
     if ratios:
         lines.append(f"mean over {len(ratios)} models: {sum(ratios.values()) / len(ratios):.3f}x (paper: 1.40x)")
     return lines, ratios
@@ -154,6 +171,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--stock-rollout", choices=("compiled", "eager"), default="compiled",
+                        help="the stock prefill and decode phases: elementwise ops compiled (the recipes' "
+                             "stock engine) or eager (runs before 1c44a86)")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
@@ -161,7 +181,8 @@ def main(argv=None) -> int:
         parser.error(f"--models: unknown model(s) {unknown}; choose from {list(MODELS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = run_info()
-    rows = [{**row, **info} for m in models for row in bench_model(m, args.tiny, args.reps, device)]
+    rows = [{**row, **info} for m in models
+            for row in bench_model(m, args.tiny, args.reps, device, args.stock_rollout)]
     path = write_csv(rows, args.out, "bench_layers.csv")
     lines, _ = summarize(rows)
     print_summary(lines, [path])

@@ -34,8 +34,13 @@ def test_unknown_model_is_named(capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
-def test_tiny_cpu_run_times_every_phase_of_both_sets(tmp_path):
+def test_tiny_cpu_run_times_every_phase_of_both_sets(tmp_path, capsys):
+    """The stock rollout phases on the compiled standard ops by default, its training phases and
+    every unified phase eager (the interpreter)."""
     assert main(["--tiny", "--models", "qwen3-0.6b", "--reps", "1", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "bench_layers.csv").open()))
     assert sorted((r["kernels"], r["phase"]) for r in rows) == sorted((k, p) for k in KERNEL_SETS for p in PHASES)
     assert all(float(r["seconds"]) > 0 for r in rows)
+    compiled = {(r["kernels"], r["phase"]) for r in rows if r["ops"] == "compiled"}
+    assert compiled == {("standard", p) for p in PHASES if p.startswith(("prefill", "decode"))}
+    assert "stock rollout ops compiled" in capsys.readouterr().out
