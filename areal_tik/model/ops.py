@@ -446,7 +446,9 @@ def compiled_standard_ops(names=COMPILED_STANDARD_OPS):
     each): a stock engine whose norms, rope and SiLU-mul run as fused kernels, the rest
     (cuBLAS, FlashAttention, sampling) unchanged. The shared standard set is not touched.
     Compilation happens at each op's first calls (an engine's first prefill, its graph
-    captures); duck shaping is turned off so that no guard ties sizes that happen to be equal."""
+    captures). Duck shaping is turned off, for the whole process (``torch.fx``'s
+    ``use_duck_shape``, read when a graph is traced), so that no guard ties sizes that happen
+    to be equal (rows == hidden size) and recompiles when they part."""
     import torch.fx.experimental._config as fx_config
 
     fx_config.use_duck_shape = False
