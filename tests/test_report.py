@@ -64,6 +64,12 @@ def test_summary_ratios_are_the_hand_computed_ones(tmp_path):
     # step 3's stock reward is 0: left out; ratios 1.0 and 1.5
     assert row["reward_ratio_steps"] == 2
     assert row["reward_ratio_mean"] == pytest.approx(1.25) and row["reward_ratio_spread"] == pytest.approx(0.25)
+    # the ratio of the mean rewards (every step: (0.5 + 0.6 + 0.9) / 3 over (0.5 + 0.4 + 0) / 3) and its
+    # delta-method error from each run's per-step spread (sample sd / sqrt(3), relative to its mean)
+    tik_rel = math.sqrt(((0.5 - 2 / 3) ** 2 + (0.6 - 2 / 3) ** 2 + (0.9 - 2 / 3) ** 2) / 2 / 3) / (2 / 3)
+    stock_rel = math.sqrt((0.2 ** 2 + 0.1 ** 2 + 0.3 ** 2) / 2 / 3) / 0.3
+    assert row["reward_ratio_of_means"] == pytest.approx((2 / 3) / 0.3)
+    assert row["reward_ratio_of_means_se"] == pytest.approx((2 / 3) / 0.3 * math.hypot(tik_rel, stock_rel))
     assert means["throughput_whole"] == row["throughput_whole"] and means["paper_throughput"] == 1.10
 
 
@@ -169,6 +175,7 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert stock["metadata"]["decode_attention"] == "gather-sdpa (not on a GPU)"
     assert stock["metadata"]["compiled_ops"] == list(COMPILED_STANDARD_OPS) and tik["metadata"]["compiled_ops"] == []
     assert row[8] == "gather-sdpa (not on a GPU) + torch.compile"
+    assert row[9] == "n/a +/- n/a"  # one step: no spread to give an error
     assert "These means mix" not in page
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
     assert "Runs on a CPU" in page  # the interpreted kernels' throughput is flagged

@@ -30,7 +30,8 @@ def main(args) -> int:
     for r in rows:
         print(f"{r['recipe']}: throughput {fmt(r['throughput_whole'])} whole, {fmt(r['throughput_steady'])} "
               f"steady, {fmt(r['throughput_process'])} whole process; reward ratio {fmt(r['reward_ratio_mean'])} "
-              f"+/- {fmt(r['reward_ratio_spread'], '')}; "
+              f"+/- {fmt(r['reward_ratio_spread'], '')} (of the mean rewards {fmt(r['reward_ratio_of_means'])} "
+              f"+/- {fmt(r['reward_ratio_of_means_se'], '')} s.e.); "
               f"audit: {r['audit']}; stock decode: {r['stock_decode']}")
     print(f"mean over {len(rows)}: throughput {fmt(means['throughput_whole'])} whole, "
           f"{fmt(means['throughput_steady'])} steady, {fmt(means['throughput_process'])} whole process "

@@ -81,7 +81,8 @@ SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole"
                    ("throughput_steady", "throughput tik/stock (steady state)"),
                    ("throughput_process", "throughput tik/stock (whole process)"),
                    ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
-                   ("audit", "audit"), ("stock_decode", "stock rollout path (decode attention, compiled ops)"))
+                   ("audit", "audit"), ("stock_decode", "stock rollout path (decode attention, compiled ops)"),
+                   ("reward_ratio_of_means", "reward ratio of the runs' mean rewards (+/- 1 s.e.)"))
 
 
 def _cell(key: str, value) -> str:
@@ -89,23 +90,27 @@ def _cell(key: str, value) -> str:
         return fmt(value)
     if key == "reward_ratio_spread":
         return fmt(value, "")
+    if isinstance(value, tuple):  # (ratio, standard error)
+        return f"{fmt(value[0])} +/- {fmt(value[1], '')}"
     return html.escape(str(value))
 
 
 def summary_html(rows: list[dict], means: dict) -> str:
     head = "".join(f"<th>{html.escape(label)}</th>" for _, label in SUMMARY_COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(k, r[k])}</td>" for k, _ in SUMMARY_COLUMNS) + "</tr>"
+    def value(r, k):
+        return (r[k], r["reward_ratio_of_means_se"]) if k == "reward_ratio_of_means" else r[k]
+    body = "".join("<tr>" + "".join(f"<td>{_cell(k, value(r, k))}</td>" for k, _ in SUMMARY_COLUMNS) + "</tr>"
                    for r in rows)
     having = means["throughput_process_configurations"]
     process = fmt(means["throughput_process"]) + (f" (over {having})" if 0 < having < len(rows) else "")
     mean = (f"<tr class='mean'><td>mean over {len(rows)} configurations</td><td></td>"
             f"<td>{fmt(means['throughput_whole'])}</td><td>{fmt(means['throughput_steady'])}</td>"
-            f"<td>{process}</td><td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td><td></td></tr>"
+            f"<td>{process}</td><td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td><td></td><td></td></tr>"
             f"<tr class='mean'><td>mean over the {means['reward_ratio_real_configurations']} real-weight "
             f"configurations (the reward ratio's target)</td><td></td><td></td><td></td><td></td>"
-            f"<td>{fmt(means['reward_ratio_mean_real'])}</td><td></td><td></td><td></td></tr>"
+            f"<td>{fmt(means['reward_ratio_mean_real'])}</td><td></td><td></td><td></td><td></td></tr>"
             f"<tr class='paper'><td>paper (H20)</td><td></td><td>{fmt(means['paper_throughput'])}</td><td></td>"
-            f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td><td></td></tr>")
+            f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td><td></td><td></td></tr>")
     paths = means.get("stock_decode_paths", [])
     mixed = ("" if len(paths) < 2 else
              f"<p class='note'>These means mix stock runs on different rollout paths "
@@ -182,7 +187,9 @@ def write_page(out: Path, pairs: list[Pair], rows: list[dict], means: dict, warm
             f"process: all tokens over the process's wall time, start-up and teardown included (AReaL init, "
             f"model load, the kernels' device qualification, compilation warm-up, CUDA graph capture), "
             f"writing a missing checkpoint left out (n/a for run files without that timing). Reward ratio: "
-            f"tik/stock per step, over steps with a non-zero stock reward (spread: standard deviation).</p>"
+            f"tik/stock per step, over steps with a non-zero stock reward (spread: standard deviation); "
+            f"and the ratio of the two runs' mean rewards, with its standard error (delta method, from each "
+            f"run's per-step spread): a ratio within about two errors of 1.00 is not told from noise.</p>"
             + (CPU_NOTE if _on_cpu(pairs) else "") + summary_html(rows, means) + "".join(sections)
             + "</body></html>")
     path = out / "index.html"

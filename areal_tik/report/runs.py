@@ -133,6 +133,22 @@ def reward_ratios(tik: dict, stock: dict) -> list[float]:
             if b["reward"] != 0 and not math.isnan(a["reward"] + b["reward"])]
 
 
+def reward_ratio_of_means(tik: dict, stock: dict) -> tuple[float, float]:
+    """(mean tik reward / mean stock reward, its standard error). The error is the delta
+    method's from each run's per-step rewards (steps taken as independent draws, sample
+    standard deviation over sqrt(steps)); a learning curve that rises widens it. NaN when a
+    mean is 0 or a run has fewer than two steps with a reward."""
+    values = [[s["reward"] for s in run["per_step"] if not math.isnan(s["reward"])] for run in (tik, stock)]
+    if min(len(v) for v in values) < 2:
+        return float("nan"), float("nan")
+    means = [sum(v) / len(v) for v in values]
+    if 0.0 in means:
+        return float("nan"), float("nan")
+    rel = [math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v)) / abs(m) for v, m in zip(values, means)]
+    ratio = means[0] / means[1]
+    return ratio, abs(ratio) * math.sqrt(rel[0] ** 2 + rel[1] ** 2)
+
+
 def _mean(values) -> float:
     values = [v for v in values if not math.isnan(v)]
     return sum(values) / len(values) if values else float("nan")
@@ -164,6 +180,7 @@ def stock_decode(run: dict) -> str:
 def summary_row(pair: Pair, warmup: int) -> dict:
     tik, stock = pair.tik["per_step"], pair.stock["per_step"]
     ratios = reward_ratios(pair.tik, pair.stock)
+    of_means, of_means_se = reward_ratio_of_means(pair.tik, pair.stock)
     audit = pair.tik["summary"]
     return {
         "recipe": pair.recipe, "steps": pair.tik["steps"], "warmup": warmup,
@@ -173,7 +190,8 @@ def summary_row(pair: Pair, warmup: int) -> dict:
         "startup_seconds_tik": startup_seconds(pair.tik), "startup_seconds_stock": startup_seconds(pair.stock),
         "reward_tik": _mean([s["reward"] for s in tik]), "reward_stock": _mean([s["reward"] for s in stock]),
         "reward_ratio_mean": _mean(ratios), "reward_ratio_spread": _spread(ratios),
-        "reward_ratio_steps": len(ratios), "real_weights": real_weights(pair.recipe),
+        "reward_ratio_steps": len(ratios), "reward_ratio_of_means": of_means,
+        "reward_ratio_of_means_se": of_means_se, "real_weights": real_weights(pair.recipe),
         "audit": audit.get("verdict", "none"), "audited_tokens": audit.get("audited_tokens", 0),
         "stock_decode": stock_decode(pair.stock),
     }
