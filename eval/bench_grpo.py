@@ -85,12 +85,11 @@ def mode_overrides(args, mode: str, model_path: str, workdir: Path) -> list[str]
     out += [f"++experiment_name=grpo-bench-{args.model}-{mode}", f"++tik.max_num_seqs={sequences}",
             f"++tik.max_model_len={args.max_model_len}", f"++rollout.max_concurrent_rollouts={sequences}",
             f"++rollout.tik_engine={args.tik_engine}"]
-    from areal_tik.adapter.run import engine_overrides  # the stock engine's KV blocks, as the recipes run it
+    from areal_tik.adapter.run import engine_overrides, override_value  # the stock engine, as the recipes run it
 
-    out += [f"++tik.{key}={str(value).lower() if isinstance(value, bool) else value}"
+    out += [f"++tik.{key}={override_value(value)}"
             for key, value in engine_overrides(mode, args.max_model_len, sequences).items()]
-    return out + [f"++actor.{key}={str(value).lower() if isinstance(value, bool) else value}"
-                  for key, value in actor.items()]
+    return out + [f"++actor.{key}={override_value(value)}" for key, value in actor.items()]
 
 
 def recipe_for(model: str) -> Path:

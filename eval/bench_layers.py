@@ -133,19 +133,20 @@ def bench_model(name: str, tiny: bool, reps: int, device, stock_rollout: str = "
     for kernels in KERNEL_SETS:
         model = UnifiedCausalLM(hf, kernels=kernels)
         fns = phase_functions(model, sizes, hf.config.vocab_size, device)
-        if kernels == "standard" and stock_rollout == "compiled":  # the same weights, compiled ops
+        compiled = ([p for p in PHASES if p.startswith(("prefill", "decode"))]
+                    if kernels == "standard" and stock_rollout == "compiled" else [])
+        if compiled:  # the same weights, compiled ops
             rollout = phase_functions(UnifiedCausalLM(hf, kernels=compiled_standard_ops()), sizes,
                                       hf.config.vocab_size, device)
-            fns.update({p: rollout[p] for p in PHASES if p.startswith(("prefill", "decode"))})
+            fns.update({p: rollout[p] for p in compiled})
         for phase in PHASES:
             if phase == "train_backward":
                 seconds = _timed(fns[phase](), reps, cuda)
             else:
                 with torch.no_grad() if phase.startswith(("prefill", "decode")) else torch.enable_grad():
                     seconds = _timed(fns[phase], reps, cuda)
-            compiled = kernels == "standard" and stock_rollout == "compiled" and phase.startswith(("prefill", "decode"))
             rows.append({"model": name, "kernels": kernels, "phase": phase, "seconds": seconds,
-                         "ops": "compiled" if compiled else "eager"})
+                         "ops": "compiled" if phase in compiled else "eager"})
         hf.zero_grad(set_to_none=True)
     return rows
 

@@ -59,14 +59,17 @@ def engine_overrides(mode: str, max_model_len: int, max_num_seqs: int) -> dict:
             "compile_standard_ops": True}
 
 
+def override_value(value) -> str:
+    """``value`` as a YAML override writes it (booleans lower-case)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def mode_overrides(mode: str, max_model_len: int, max_num_seqs: int) -> list[str]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {[*MODES, 'both']}, got {mode!r}")
-    def value(v):
-        return str(v).lower() if isinstance(v, bool) else v
-
-    return ([f"++actor.{k}={value(v)}" for k, v in MODES[mode].items()]
-            + [f"++tik.{k}={value(v)}" for k, v in engine_overrides(mode, max_model_len, max_num_seqs).items()])
+    return ([f"++actor.{k}={override_value(v)}" for k, v in MODES[mode].items()]
+            + [f"++tik.{k}={override_value(v)}"
+               for k, v in engine_overrides(mode, max_model_len, max_num_seqs).items()])
 
 
 def run_overrides(recipe: str, mode: str, folder: Path, group: str) -> list[str]:
@@ -118,13 +121,6 @@ def decode_attention_path(model_path: str, kernels: str, block_size: int, max_mo
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return standard_decode_path(heads, getattr(hf, "num_key_value_heads", None) or heads, head_dim,
                                 block_size, max_model_len, getattr(torch, dtype), device)
-
-
-def compiled_ops(kernels: str, compile_standard_ops: bool) -> tuple[str, ...]:
-    """The standard ops the run's engine compiles (none for the unified kernels)."""
-    from areal_tik.model.ops import COMPILED_STANDARD_OPS
-
-    return COMPILED_STANDARD_OPS if compile_standard_ops and kernels == "standard" else ()
 
 
 def paired_rewards(folder: Path, mode: str, digest: str) -> list[float]:
@@ -187,6 +183,8 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     process's seconds from here to just before writing it, and the checkpoint's)."""
     start = time.perf_counter()
     from . import patch_list
+    from areal_tik.model.ops import engine_compiled_ops
+
     from .demo import load_config
     from .launch import spmd_environment
     from .tasks import check_task
@@ -205,7 +203,7 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
                                 decode_attention_path(config.actor.path, config.actor.tik_kernels,
                                                       config.tik.kv_block_size, config.tik.max_model_len,
                                                       config.actor.dtype),
-                                compiled_ops(config.actor.tik_kernels, config.tik.compile_standard_ops))
+                                engine_compiled_ops(config.actor.tik_kernels, config.tik.compile_standard_ops))
         digest = config_digest(asked)
         history, state = train_tracked(config, metadata, paired_rewards(folder, mode, digest))
     summary = state.summary()

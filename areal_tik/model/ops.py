@@ -458,11 +458,18 @@ def compiled_standard_ops(names=COMPILED_STANDARD_OPS):
     return ops
 
 
+def engine_compiled_ops(kernels: str, compile_standard_ops: bool = False) -> tuple[str, ...]:
+    """The ops an engine on ``kernels`` runs under torch.compile: ``COMPILED_STANDARD_OPS`` for
+    the standard set with ``compile_standard_ops`` (``EngineConfig.compile_standard_ops``),
+    none otherwise."""
+    return COMPILED_STANDARD_OPS if compile_standard_ops and kernels == "standard" else ()
+
+
 def engine_ops(kernels: str, compile_standard_ops: bool = False):
-    """The ops an engine runs for ``kernels``: the compiled standard set when ``kernels`` is
-    "standard" and ``compile_standard_ops`` is set (``EngineConfig.compile_standard_ops``),
-    otherwise ``kernels`` itself."""
-    return compiled_standard_ops() if compile_standard_ops and kernels == "standard" else kernels
+    """The ops an engine runs for ``kernels``: the compiled standard set where
+    ``engine_compiled_ops`` names any, otherwise ``kernels`` itself."""
+    names = engine_compiled_ops(kernels, compile_standard_ops)
+    return compiled_standard_ops(names) if names else kernels
 
 
 # --------------------------------------------------------------------------- selection

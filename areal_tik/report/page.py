@@ -85,32 +85,35 @@ SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole"
                    ("reward_ratio_of_means", "reward ratio of the runs' mean rewards (+/- 1 s.e.)"))
 
 
-def _cell(key: str, value) -> str:
+def _cell(key: str, row: dict) -> str:
+    value = row[key]
     if key in ("throughput_whole", "throughput_steady", "throughput_process", "reward_ratio_mean"):
         return fmt(value)
     if key == "reward_ratio_spread":
         return fmt(value, "")
-    if isinstance(value, tuple):  # (ratio, standard error)
-        return f"{fmt(value[0])} +/- {fmt(value[1], '')}"
+    if key == "reward_ratio_of_means":
+        return f"{fmt(value)} +/- {fmt(row['reward_ratio_of_means_se'], '')}"
     return html.escape(str(value))
+
+
+def _tr(cls: str, cells: list[str]) -> str:
+    """A summary row of ``cells``, padded with empty cells to the table's columns."""
+    cells = cells + [""] * (len(SUMMARY_COLUMNS) - len(cells))
+    return f"<tr class='{cls}'>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
 def summary_html(rows: list[dict], means: dict) -> str:
     head = "".join(f"<th>{html.escape(label)}</th>" for _, label in SUMMARY_COLUMNS)
-    def value(r, k):
-        return (r[k], r["reward_ratio_of_means_se"]) if k == "reward_ratio_of_means" else r[k]
-    body = "".join("<tr>" + "".join(f"<td>{_cell(k, value(r, k))}</td>" for k, _ in SUMMARY_COLUMNS) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{_cell(k, r)}</td>" for k, _ in SUMMARY_COLUMNS) + "</tr>"
                    for r in rows)
     having = means["throughput_process_configurations"]
     process = fmt(means["throughput_process"]) + (f" (over {having})" if 0 < having < len(rows) else "")
-    mean = (f"<tr class='mean'><td>mean over {len(rows)} configurations</td><td></td>"
-            f"<td>{fmt(means['throughput_whole'])}</td><td>{fmt(means['throughput_steady'])}</td>"
-            f"<td>{process}</td><td>{fmt(means['reward_ratio_mean'])}</td><td></td><td></td><td></td><td></td></tr>"
-            f"<tr class='mean'><td>mean over the {means['reward_ratio_real_configurations']} real-weight "
-            f"configurations (the reward ratio's target)</td><td></td><td></td><td></td><td></td>"
-            f"<td>{fmt(means['reward_ratio_mean_real'])}</td><td></td><td></td><td></td><td></td></tr>"
-            f"<tr class='paper'><td>paper (H20)</td><td></td><td>{fmt(means['paper_throughput'])}</td><td></td>"
-            f"<td></td><td>{fmt(means['paper_reward'])}</td><td></td><td></td><td></td><td></td></tr>")
+    mean = (_tr("mean", [f"mean over {len(rows)} configurations", "", fmt(means["throughput_whole"]),
+                         fmt(means["throughput_steady"]), process, fmt(means["reward_ratio_mean"])])
+            + _tr("mean", [f"mean over the {means['reward_ratio_real_configurations']} real-weight "
+                           "configurations (the reward ratio's target)", "", "", "", "",
+                           fmt(means["reward_ratio_mean_real"])])
+            + _tr("paper", ["paper (H20)", "", fmt(means["paper_throughput"]), "", "", fmt(means["paper_reward"])]))
     paths = means.get("stock_decode_paths", [])
     mixed = ("" if len(paths) < 2 else
              f"<p class='note'>These means mix stock runs on different rollout paths "
