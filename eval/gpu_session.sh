@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
-#   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_host qualify check bench_rollout bench_prefix
+#   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_host startup qualify check bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps check_areal_vllm bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
@@ -90,6 +90,9 @@ for s in $STAGES; do case $s in
   # kernels too small to matter): enqueue ms per layer, HOST_FAST_PATH off and on, and a
   # cProfile top-25 per step kind (~1 minute, most of it compiling).
   probe_host) run probe_host 150 python3 -m eval.probe_host --rows 2048 --start 8192; cat "$W/probe_host.log" ;;
+  # Start-up before the first step, cold (fresh Triton and qualification caches per case):
+  # qualification, the trainer's warm-up and the engine's start, serial vs threaded (~2 min a model)
+  startup) run bench_startup 420 python3 -m eval.bench_startup --out "$W/csv" ${BENCH_STARTUP_ARGS:-} ;;
   qualify) # the device-qualification probe at real sizes: cold (compiles), warm, then cached
            run qualify 420 bash -c 'export AREAL_TIK_QUALIFY_CACHE=$0/qualification.json
              for pass in cold warm; do echo "-- $pass"; python3 -m areal_tik.qualify --refresh || exit $?; done

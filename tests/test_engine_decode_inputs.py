@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from areal_tik.engine import SamplingParams
@@ -10,7 +11,8 @@ from areal_tik.engine.block_manager import BlockManager
 from areal_tik.engine.sequence import Sequence
 
 
-def test_decode_staging_matches_per_row_inputs():
+@pytest.mark.parametrize("max_bs", [8, 3])
+def test_decode_staging_matches_per_row_inputs(max_bs):
     # Staged decode inputs equal the per-row values (padding rows: token 0, position 0,
     # scratch slot, context 1, scratch table), also through a separate "device" buffer
     # that receives only the copied prefix, as on a GPU.
@@ -18,18 +20,18 @@ def test_decode_staging_matches_per_row_inputs():
     from areal_tik.engine.block_manager import SCRATCH_BLOCK
     rng = random.Random(0)
     blocks = BlockManager(64, 4)
-    staging = DecodeInputs(8, 6, blocks, torch.device("cpu"))
+    staging = DecodeInputs(max_bs, 6, blocks, torch.device("cpu"))
     staging._dev = torch.full_like(staging._host, -7)  # stale values must never leak through
     staging._bind_device_views()
     for trial in range(6):
         seqs = []
-        for i in range(rng.randint(1, 8)):
+        for i in range(rng.randint(1, max_bs)):
             seq = Sequence(100 * trial + i, [rng.randrange(5, 50) for _ in range(rng.randint(1, 20))],
                            SamplingParams(), rng.getrandbits(63))
             seq.append(rng.randrange(5, 50), -1.0, 0)
             blocks.allocate(seq)
             seqs.append(seq)
-        rows = rng.randint(len(seqs), 8)
+        rows = rng.randint(len(seqs), max_bs)
         staging.stage(seqs, rows)
         got = staging.model_inputs(rows)
         pad = rows - len(seqs)
@@ -48,3 +50,16 @@ def test_decode_staging_matches_per_row_inputs():
         assert got["block_tables"].is_contiguous()
         for seq in seqs:
             blocks.free(seq)
+
+
+@pytest.mark.parametrize("max_bs", [1, 2, 3, 5, 6, 8, 13])
+def test_every_decode_input_starts_16_byte_aligned(max_bs):
+    # Triton keys a kernel on its pointers' 16-byte alignment. With the sections at
+    # 4 * max_bs-byte offsets, an engine of 3 sequences gave the decode attention an
+    # unaligned block table: a kernel variant the start-up warm-up had not compiled.
+    from areal_tik.engine.decode_inputs import DecodeInputs
+    staging = DecodeInputs(max_bs, 5, BlockManager(64, 4), torch.device("cpu"))
+    views = {**staging.model_inputs(max_bs), **dict(zip(("keys", "counters"), staging.sample_keys(max_bs)))}
+    assert len(views) == 7
+    for name, view in views.items():
+        assert view.data_ptr() % 16 == 0, (name, view.data_ptr() - staging._dev.data_ptr())

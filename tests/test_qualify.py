@@ -139,3 +139,68 @@ def test_main_prints_the_verdict_and_exits_non_zero_on_failure(cache_file, monke
     assert "FAIL attention prefill vs decode: 3/10 rows differ" in out and "probe 1.50 s" in out
     assert qualify.main(["--device", "cpu"]) == 1 and len(calls) == 1
     assert "cached verdict" in capsys.readouterr().out
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """A list that receives the Triton key of every unified kernel launch; the launches run."""
+    from .test_compile_keys import _kernels, launch_key
+
+    seen = []
+    for kernel in set(_kernels()):
+        def run(*args, grid, warmup, _kernel=kernel, _run=kernel.run, **kwargs):
+            seen.append(launch_key(_kernel, args, kwargs))
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+        monkeypatch.setattr(kernel, "run", run)
+    return seen
+
+
+def test_the_probes_kernels_are_compiled_ahead_of_them(recorded_launches):
+    """``compile_tasks`` launches every kernel key the probes launch (on a GPU they run on
+    threads first, so no probe compiles one by one); without the model's part they do not
+    (the model probe's own kernels are needed: the check can fail)."""
+    from areal_tik.qualify import probes as P
+    from areal_tik.unified_kernels.warmup import run_tasks
+
+    cpu, sizes, ops = torch.device("cpu"), qualify.ProbeSizes.for_device(torch.device("cpu")), UnifiedOps()
+    run_tasks(P.compile_tasks(ops, cpu, sizes, ("linear", "attention")), cpu, workers=1)
+    without_model = set(recorded_launches)
+    run_tasks(P.compile_tasks(ops, cpu, sizes, ("model",)), cpu, workers=1)
+    ahead = set(recorded_launches)
+    recorded_launches.clear()
+    verdict = qualify.run_probe("cpu", sizes=sizes, precompile_workers=1)
+    assert verdict.passed and verdict.compile_seconds == 0.0, verdict.message()
+    assert recorded_launches and set(recorded_launches) <= ahead, set(recorded_launches) - ahead
+    assert not set(recorded_launches) <= without_model
+
+
+def test_verdict_json_keeps_the_compile_seconds():
+    verdict = qualify.Verdict(qualify.DeviceKey.of(torch.device("cpu")), [qualify.Check("linear", True, "x")], 3.5,
+                              compile_seconds=2.25)
+    again = qualify.Verdict.from_json(json.loads(json.dumps(verdict.to_json())))
+    assert again.cached and again.compile_seconds == 2.25 and again.seconds == 3.5
+    assert "2.2 s of it compiling" in again.message() or "2.3 s of it compiling" in again.message()
+    old = verdict.to_json()
+    del old["compile_seconds"]  # a verdict cached before the field existed
+    assert qualify.Verdict.from_json(old).compile_seconds == 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_probe_compiles_nothing_after_its_precompile(tmp_path, monkeypatch):
+    """On the GPU the probes, after ``precompile`` on threads, launch only compiled kernels
+    (Triton's post-compile hook sees every new key, disk-cached or not), and pass."""
+    from areal_tik.qualify import probes as P
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # cold: every kernel compiles here
+    dev, sizes, ops = torch.device("cuda", torch.cuda.current_device()), None, UnifiedOps()
+    sizes = qualify.ProbeSizes.for_device(dev)
+    seconds = P.precompile(ops, dev, sizes, tuple(qualify.PROBES))
+    compiled = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        verdict = qualify.run_probe(dev, sizes=sizes, ops=ops, precompile_workers=1)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert seconds > 0 and verdict.passed, verdict.message()
+    assert compiled == [], compiled

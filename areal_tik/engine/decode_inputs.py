@@ -7,10 +7,15 @@ copy into the CUDA-graph inputs) costs far more host time than the values themse
 Here every value lives in one flat int32 buffer, allocated once (pinned on a GPU) with a
 device twin whose views ARE the CUDA-graph inputs:
 
-    words [0, 10 * max_bs)            five int64 rows of max_bs: input_ids, positions,
-                                      slot_mapping, sample keys, output counters
-    words [10 * max_bs, 11 * max_bs)  int32 context_lens
-    words [11 * max_bs, ...)          int32 block_tables [max_bs, width]
+    words [0, 10 * pad)            five int64 rows of pad: input_ids, positions,
+                                   slot_mapping, sample keys, output counters
+    words [10 * pad, 11 * pad)     int32 context_lens
+    words [11 * pad, ...)          int32 block_tables [max_bs, width]
+
+where pad is max_bs rounded up to a multiple of 4, so that every section starts 16-byte
+aligned whatever max_bs is: Triton keys a kernel on its pointers' 16-byte alignment, and
+with sections at 4 * max_bs-byte offsets an engine of 3 sequences launched a decode-
+attention variant (unaligned block table) that the start-up warm-up had not compiled.
 
 A step writes rows [0, rows) through numpy views and copies the prefix that holds them
 (all int64 rows, the context lengths and the first ``rows`` table rows: contiguous) with
@@ -38,26 +43,27 @@ class DecodeInputs:
         self.blocks = block_manager
         self.device = device
         self._scratch_slot = SCRATCH_BLOCK * block_manager.block_size
-        words = 11 * max_bs + max_bs * width
+        self._pad = pad = -(-max_bs // 4) * 4
+        words = 11 * pad + max_bs * width
         on_gpu = device.type == "cuda"
         self._host = torch.zeros(words, dtype=torch.int32, pin_memory=on_gpu)
         self._dev = torch.zeros(words, dtype=torch.int32, device=device) if on_gpu else self._host
         self._copied = torch.cuda.Event() if on_gpu else None  # the last staging copy
         host = self._host.numpy()
-        self._np64 = host[:10 * max_bs].view(np.int64).reshape(5, max_bs)
-        self._np_ctx = host[10 * max_bs:11 * max_bs]
-        self._np_tables = host[11 * max_bs:].reshape(max_bs, width)
+        self._np64 = host[:10 * pad].view(np.int64).reshape(5, pad)
+        self._np_ctx = host[10 * pad:10 * pad + max_bs]
+        self._np_tables = host[11 * pad:].reshape(max_bs, width)
         self._fill_padding(0, max_bs)
         self._bind_device_views()
 
     def _bind_device_views(self) -> None:
-        max_bs = self.max_bs
+        max_bs, pad = self.max_bs, self._pad
         if self._dev is not self._host:
             self._dev.copy_(self._host)
-        dev64 = self._dev[:10 * max_bs].view(torch.int64).view(5, max_bs)
+        dev64 = self._dev[:10 * pad].view(torch.int64).view(5, pad)
         self._rows64 = dict(zip(_INT64_ROWS, dev64.unbind(0)))
-        self._ctx = self._dev[10 * max_bs:11 * max_bs]
-        self._tables = self._dev[11 * max_bs:].view(max_bs, self.width)
+        self._ctx = self._dev[10 * pad:10 * pad + max_bs]
+        self._tables = self._dev[11 * pad:].view(max_bs, self.width)
 
     def _fill_padding(self, start: int, end: int) -> None:
         ids, positions, slots, keys, counters = self._np64
@@ -94,7 +100,7 @@ class DecodeInputs:
         if rows > n:
             self._fill_padding(n, rows)
         if self._dev is not self._host:
-            end = 11 * self.max_bs + rows * self.width
+            end = 11 * self._pad + rows * self.width
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
             if self._copied is not None:
                 self._copied.record()

@@ -40,8 +40,9 @@ __all__ = ["qualify", "run_probe", "pin_linear_tile", "LinearPin", "Verdict", "C
            "PROBES", "CACHE_ENV", "cache_path"]
 
 
-def qualify(device=None, *, refresh: bool = False) -> Verdict:
-    """The cached verdict for this device's key, else run the full probe and cache it."""
+def qualify(device=None, *, refresh: bool = False, compile_workers: int | None = None) -> Verdict:
+    """The cached verdict for this device's key, else run the full probe and cache it
+    (its kernels compiled first on ``compile_workers`` threads: ``run_probe``)."""
     device = as_device(device)
     key = DeviceKey.of(device)
     path = cache_path()
@@ -51,7 +52,7 @@ def qualify(device=None, *, refresh: bool = False) -> Verdict:
             return Verdict.from_json(verdicts[key.id])
         except (KeyError, TypeError, ValueError):
             logger.warning("qualification cache %s: entry %s is malformed; probing again", path, key.id)
-    verdict = run_probe(device)
+    verdict = run_probe(device, precompile_workers=compile_workers)
     verdicts = load_verdicts(path)  # another process may have added keys meanwhile
     verdicts[key.id] = verdict.to_json()
     try:
@@ -67,9 +68,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal_tik.qualify", description=main.__doc__)
     parser.add_argument("--device", default=None)
     parser.add_argument("--refresh", action="store_true", help="probe again even if a verdict is cached")
+    parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                        help="threads compiling the probes' kernels before they run (default: one per CPU, "
+                             "at most 16; 1: each kernel compiles at its first launch inside the probes)")
     args = parser.parse_args(argv)
+    if args.compile_workers is not None and args.compile_workers < 1:
+        parser.error(f"--compile-workers must be >= 1, got {args.compile_workers}")
     start = time.perf_counter()
-    verdict = qualify(args.device, refresh=args.refresh)
+    verdict = qualify(args.device, refresh=args.refresh, compile_workers=args.compile_workers)
     wall = time.perf_counter() - start
     for check in verdict.checks:
         state = {True: "ok", False: "FAIL", None: "n/a"}[check.passed]

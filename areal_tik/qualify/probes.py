@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import logging
 import random
 import time
 
@@ -12,6 +14,7 @@ import torch
 
 from .verdict import Check, DeviceKey, Verdict
 
+logger = logging.getLogger(__name__)
 linear_kernels = importlib.import_module("areal_tik.unified_kernels.linear")
 _DTYPE = torch.bfloat16
 
@@ -165,22 +168,17 @@ def _probe_graph_replay(ops, device, q, kc, vc, bt, cl, eager) -> Check:
 
 def probe_model(ops, device, sizes: ProbeSizes) -> list[Check]:
     """A tiny random model: engine rollout (graphs on a GPU) vs the packed training forward."""
-    from areal_tik.engine import LLM, EngineConfig, SamplingParams
+    from areal_tik.engine import LLM, SamplingParams
     from areal_tik import consistency
-    from areal_tik.model import UnifiedCausalLM, random_model, tiny_config
 
-    model = UnifiedCausalLM.from_hf(random_model(tiny_config("qwen3", **sizes.model), device=device, seed=0),
-                                    kernels=ops)
+    model = _probe_model(ops, device, sizes)
     rng = random.Random(2)
     vocab = sizes.model["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in sizes.prompt_lengths]
     temps = sizes.temperatures
     params = [SamplingParams(temperature=temps[i % len(temps)], max_new_tokens=sizes.new_tokens, ignore_eos=True,
                              seed=i) for i in range(len(prompts))]
-    max_len = max(sizes.prompt_lengths) + sizes.new_tokens + 1
-    config = EngineConfig(max_num_seqs=len(prompts), max_model_len=max_len, kv_block_size=sizes.kv_block_size,
-                          cuda_graphs=device.type == "cuda")
-    with LLM(model, config) as llm:
+    with LLM(model, _engine_config(device, sizes)) as llm:
         outputs = llm.generate(prompts, params)
     reference = consistency.packed_logprobs(model, outputs, grad=True)
     result = consistency.compare(outputs, reference)
@@ -195,6 +193,21 @@ def probe_model(ops, device, sizes: ProbeSizes) -> list[Check]:
     return [Check("model rollout vs training", False,
                   f"{result.num_identical}/{result.num_tokens} tokens bit-identical; first divergence "
                   f"(request {div.request}, token {div.token}, {div.regime}): {where}")]
+
+
+def _probe_model(ops, device, sizes: ProbeSizes):
+    from areal_tik.model import UnifiedCausalLM, random_model, tiny_config
+
+    return UnifiedCausalLM.from_hf(random_model(tiny_config("qwen3", **sizes.model), device=device, seed=0),
+                                   kernels=ops)
+
+
+def _engine_config(device, sizes: ProbeSizes):
+    from areal_tik.engine import EngineConfig
+
+    max_len = max(sizes.prompt_lengths) + sizes.new_tokens + 1
+    return EngineConfig(max_num_seqs=len(sizes.prompt_lengths), max_model_len=max_len,
+                        kv_block_size=sizes.kv_block_size, cuda_graphs=device.type == "cuda")
 
 
 def _mismatches_to_diagnose(outputs, reference) -> list[tuple[int, int]]:
@@ -214,9 +227,56 @@ def _mismatches_to_diagnose(outputs, reference) -> list[tuple[int, int]]:
 PROBES = {"linear": probe_linear, "attention": probe_attention, "model": probe_model}
 
 
+# ----------------------------------------------------------------------------- compilation
+
+
+def compile_tasks(ops, device, sizes: ProbeSizes, probes: tuple[str, ...]) -> list:
+    """The kernel launches of ``probes`` on zero inputs of the probes' shapes, dtypes and
+    alignment (the parts of a launch that Triton's key sees), for ``run_tasks``: compiled
+    on threads before the probes run, so the probes' own launches, one after another,
+    find every kernel compiled. Only the unified set on a GPU compiles anything."""
+    warm = importlib.import_module("areal_tik.unified_kernels.warmup")
+    from areal_tik.engine.model_runner import warmup_shapes
+
+    tasks = []
+    if "linear" in probes:
+        configs = linear_kernels.linear_candidates(_DTYPE, candidates=False)
+        for n, k in sizes.linear_shapes:
+            x = torch.zeros(sizes.max_rows, k, dtype=_DTYPE, device=device)
+            w = torch.zeros(n, k, dtype=_DTYPE, device=device)
+            tasks += [functools.partial(ops.linear, x[:m], w) for m in _row_counts(sizes.max_rows)]
+            tasks += [functools.partial(linear_kernels.linear_forward, x, w, None, config=cfg) for cfg in configs]
+    if "attention" in probes:
+        tasks += warm.warm_attention(sizes.heads, _DTYPE, device, training=False)
+        tasks += warm.warm_paged_attention(sizes.heads, _DTYPE, device, sizes.kv_block_size)
+    if "model" in probes:
+        model = _probe_model(ops, device, sizes)
+        config = _engine_config(device, sizes)
+        rows = max(config.batched_tokens_limit, config.max_num_seqs)  # as the engine warms itself
+        families = warm.warmup_tasks(warmup_shapes(model, rollout=True), rows, device, training=True,
+                                     sampling=True, block_size=sizes.kv_block_size)
+        tasks += [task for family in families.values() for task in family]
+    return tasks
+
+
+def precompile(ops, device, sizes: ProbeSizes, probes: tuple[str, ...], workers: int | None = None) -> float:
+    """Compile the probes' kernels on ``workers`` threads; returns the seconds spent (0
+    where nothing compiles: the interpreter, or a kernel set of torch ops)."""
+    if device.type != "cuda" or ops.kind != "unified":
+        return 0.0
+    warm = importlib.import_module("areal_tik.unified_kernels.warmup")
+    start = time.perf_counter()
+    warm.run_tasks(compile_tasks(ops, device, sizes, probes), device, workers)
+    return time.perf_counter() - start
+
+
 def run_probe(device=None, sizes: ProbeSizes | None = None, ops=None,
-              probes: tuple[str, ...] = tuple(PROBES)) -> Verdict:
-    """Run ``probes`` now (no cache); ``ops`` defaults to the unified kernels."""
+              probes: tuple[str, ...] = tuple(PROBES), precompile_workers: int | None = None) -> Verdict:
+    """Run ``probes`` now (no cache); ``ops`` defaults to the unified kernels. Their kernels
+    are compiled first on ``precompile_workers`` threads (``precompile``; 1: each compiles
+    at its first launch inside the probes, as before: the cold probe took 26.8 s so on the
+    H200 in a recipe run). A failed compilation is left to the probe that launches it, so
+    it is reported under that probe's name."""
     from areal_tik.model.ops import get_ops
 
     device = as_device(device)
@@ -226,6 +286,13 @@ def run_probe(device=None, sizes: ProbeSizes | None = None, ops=None,
     sizes = sizes or ProbeSizes.for_device(device)
     ops = get_ops("unified" if ops is None else ops)
     start = time.perf_counter()
+    compile_seconds = 0.0
+    if precompile_workers != 1:
+        try:
+            compile_seconds = precompile(ops, device, sizes, probes, precompile_workers)
+        except Exception:  # noqa: BLE001 - the probes below launch the same kernels and name the failure
+            logger.warning("qualification: compiling the probes' kernels ahead failed; the probes compile "
+                           "them one by one", exc_info=True)
     checks: list[Check] = []
     for name in probes:
         try:
@@ -235,7 +302,7 @@ def run_probe(device=None, sizes: ProbeSizes | None = None, ops=None,
             checks.append(Check(name, False, f"raised {type(exc).__name__}: {exc}"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return Verdict(DeviceKey.of(device), checks, time.perf_counter() - start)
+    return Verdict(DeviceKey.of(device), checks, time.perf_counter() - start, compile_seconds=compile_seconds)
 
 
 def as_device(device) -> torch.device:

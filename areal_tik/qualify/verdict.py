@@ -85,6 +85,7 @@ class Verdict:
     checks: list[Check]
     seconds: float
     cached: bool = False
+    compile_seconds: float = 0.0  # of ``seconds``, compiling the probes' kernels ahead (``precompile``)
 
     @property
     def passed(self) -> bool:
@@ -102,17 +103,19 @@ class Verdict:
     def message(self) -> str:
         where = f"{self.key.gpu} ({self.key.sm_count} SMs, triton {self.key.triton}, torch {self.key.torch})"
         if self.passed:
-            return f"device qualification passed on {where} in {self.seconds:.1f} s"
+            compiled = f", {self.compile_seconds:.1f} s of it compiling" if self.compile_seconds else ""
+            return f"device qualification passed on {where} in {self.seconds:.1f} s{compiled}"
         failed = "; ".join(f"{c.op}: {c.detail}" for c in self.checks if c.passed is False)
         return f"device qualification FAILED on {where}: {failed}"
 
     def to_json(self) -> dict:
-        return {"key": dataclasses.asdict(self.key), "seconds": self.seconds,
+        return {"key": dataclasses.asdict(self.key), "seconds": self.seconds, "compile_seconds": self.compile_seconds,
                 "checks": [dataclasses.asdict(c) for c in self.checks]}
 
     @classmethod
     def from_json(cls, data: dict, cached: bool = True) -> "Verdict":
-        return cls(DeviceKey(**data["key"]), [Check(**c) for c in data["checks"]], float(data["seconds"]), cached)
+        return cls(DeviceKey(**data["key"]), [Check(**c) for c in data["checks"]], float(data["seconds"]), cached,
+                   float(data.get("compile_seconds", 0.0)))
 
 
 # ----------------------------------------------------------------------------- cache
