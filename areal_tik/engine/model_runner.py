@@ -196,19 +196,17 @@ class ModelRunner:
         if not (self.config.compile_at_start and self.device.type == "cuda"
                 and getattr(self.model, "kernels", None) == "unified"):
             return None
-        from areal_tik.unified_kernels import warmup  # only the unified set needs it
+        from areal_tik.unified_kernels.warmup import run_tasks, warmup_tasks  # only the unified set needs it
 
         cfg = self.config
         # A step holds at most the prefill budget, or a chunk plus one decode row per sequence.
         rows = max(cfg.batched_tokens_limit, cfg.max_num_seqs, (cfg.prefill_chunk_tokens or 0) + cfg.max_num_seqs)
         start = time.perf_counter()
-        counts = warmup(warmup_shapes(self.model, rollout=True), rows, self.device, training=False, sampling=True,
-                        block_size=self.block_size)
-        logits = torch.zeros(2, self.model.config.vocab, dtype=self.model.dtype, device=self.device)
-        ids = torch.zeros(2, dtype=torch.int64, device=self.device)
-        for top_k in (None, ids + 1):  # the Gumbel kernel on the logits, and on filtered fp32 scores
-            sampler.sample(logits, 1.0, ids, ids, top_k=top_k, top_p=None)
-        torch.cuda.synchronize(self.device)
+        tasks = warmup_tasks(warmup_shapes(self.model, rollout=True), rows, self.device, training=False,
+                             sampling=True, block_size=self.block_size)
+        tasks["sampler"] = sampler.warmup_tasks(self.model.config.vocab, self.model.dtype, self.device)
+        run_tasks([task for family in tasks.values() for task in family], self.device)  # one pool: one tail
+        counts = {name: len(family) for name, family in tasks.items()}
         logger.info("compiled kernels at start-up for up to %d rows in %.1f s: %s", rows,
                     time.perf_counter() - start, counts)
         return counts

@@ -268,6 +268,16 @@ def sample(logits: torch.Tensor, temperature: float, keys: torch.Tensor, counter
     return gumbel_argmax(scores, keys, counters, 1.0)  # x / 1.0 is exact: same scores
 
 
+def warmup_tasks(vocab: int, dtype: torch.dtype, device) -> list:
+    """The sampler's kernel launches at start-up (``unified_kernels.warmup.run_tasks``): the
+    Gumbel kernel on ``dtype`` logits, and on the fp32 scores a top-k / top-p row leaves."""
+    import functools
+
+    logits = torch.zeros(2, vocab, dtype=dtype, device=device)
+    ids = torch.zeros(2, dtype=torch.int64, device=device)
+    return [functools.partial(sample, logits, 1.0, ids, ids, top_k=top_k, top_p=None) for top_k in (None, ids + 1)]
+
+
 def sample_sharded(logits: torch.Tensor, col0: int, gather, temperature: float, keys: torch.Tensor,
                    counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample`` (no top-k / top-p) from a vocabulary shard: ``(tokens [B], their logits [B, 1])``.

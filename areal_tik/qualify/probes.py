@@ -236,6 +236,7 @@ def compile_tasks(ops, device, sizes: ProbeSizes, probes: tuple[str, ...]) -> li
     on threads before the probes run, so the probes' own launches, one after another,
     find every kernel compiled. Only the unified set on a GPU compiles anything."""
     warm = importlib.import_module("areal_tik.unified_kernels.warmup")
+    from areal_tik.engine import sampler
     from areal_tik.engine.model_runner import warmup_shapes
 
     tasks = []
@@ -256,6 +257,7 @@ def compile_tasks(ops, device, sizes: ProbeSizes, probes: tuple[str, ...]) -> li
         families = warm.warmup_tasks(warmup_shapes(model, rollout=True), rows, device, training=True,
                                      sampling=True, block_size=sizes.kv_block_size)
         tasks += [task for family in families.values() for task in family]
+        tasks += sampler.warmup_tasks(model.config.vocab, model.dtype, device)  # as the engine warms itself
     return tasks
 
 
