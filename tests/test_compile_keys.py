@@ -323,3 +323,40 @@ def test_attention_keys_do_not_depend_on_the_packing(launches):
     assert set(names) == {"_prefill_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",
                           "_store_kv_kernel", "_decode_fwd_kernel", "_decode_combine_kernel"}, names
     assert names.count("_prefill_fwd_kernel") == 3, names  # with the LSE, without, paged
+
+
+def _every_row_variant(n, k, dtype, max_rows, tma, k_groups):
+    """``linear_row_variants`` the slow way: every row count from 1 to ``max_rows``."""
+    L = importlib.import_module("areal_tik.unified_kernels.linear")
+    variants: dict = {}
+    for rows in range(1, max_rows + 1):
+        cfg = L.linear_config(rows, n, k, dtype, tma=tma, k_groups=k_groups)
+        variants.setdefault((cfg, rows < cfg.block_m), rows)
+    return sorted(variants.values())
+
+
+@pytest.mark.parametrize("table", ["interpreter_table", "h200_table"])
+def test_row_variants_from_the_row_probes_equal_every_row(table, monkeypatch):
+    """The warm-up visits only ``row_probes`` rows (~500 of 16384); it finds exactly the
+    variants that visiting every row finds, for the interpreter's table and the GPU's
+    (promoted entries, persistent rungs, the K-group tree's tiles), with TMA and without."""
+    L = importlib.import_module("areal_tik.unified_kernels.linear")
+    T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
+    if table == "h200_table":  # the GPU's tables, read on this machine
+        for module in (L, T):
+            monkeypatch.setattr(module, "interpreting", lambda: False)
+        shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (2048, 8192),
+                  (12288, 2048), (24, 4096), (1000, 4096)]
+        max_rows = 16384
+    else:
+        shapes = [(24, 40), (48, 32), (300, 32), (80, 48)]
+        max_rows = 300
+    probes = T.row_probes(torch.bfloat16, max_rows)
+    assert probes[0] == 1 and probes[-1] <= max_rows and (table != "h200_table" or len(probes) < max_rows / 16)
+    for n, k in shapes:
+        for tma in (True, False):
+            for groups in (1, 4) if k % 256 == 0 else (1,):
+                want = _every_row_variant(n, k, torch.bfloat16, max_rows, tma, groups)
+                assert W.linear_row_variants(n, k, torch.bfloat16, max_rows, tma=tma, k_groups=groups) == want, \
+                    (n, k, tma, groups)
+    assert len(_every_row_variant(4096, 1024, torch.bfloat16, max_rows, True, 1)) > 2  # variants exist to miss

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import triton
@@ -185,6 +186,23 @@ def linear_candidates(dtype: torch.dtype, candidates: bool = True) -> tuple:
     configs += list(_TUNED_BF16.values()) if dtype == torch.bfloat16 and not interpreting() else []
     configs += list(extra[dtype]) if candidates else []
     return tuple(dict.fromkeys(configs))
+
+
+def row_probes(dtype: torch.dtype, max_rows: int) -> list[int]:
+    """Row counts in [1, max_rows] at which ``linear.linear_config`` (any shape, SM count,
+    TMA or k_groups) or its ``rows < BLOCK_M`` flag may differ from the row before: every
+    row up to the largest BLOCK_M, then the first row of each run of ``step`` rows, where
+    ``step`` divides every BLOCK_M (tree tiles halve to >= 64), bucket bound and the
+    promoted entries' limit. Inside such a run the bucket, ``cdiv(rows, BLOCK_M)`` of
+    every config (hence its grid and the rung it picks) and the flag stay the same, so a
+    warm-up that visits these rows meets every launch variant (checked against every row
+    in tests/test_compile_keys.py) with ~500 calls instead of 16384."""
+    configs = linear_candidates(dtype)
+    block_ms = [cfg.block_m for cfg in configs] + ([64] if any(cfg.block_m > 64 for cfg in configs) else [])
+    bounds = [b for b, _ in buckets(dtype) if b is not None] + ([] if interpreting() else [_TUNED_MAX_ROWS])
+    step = functools.reduce(math.gcd, block_ms + bounds)
+    head = max(block_ms)
+    return sorted({*range(1, min(head, max_rows) + 1), *range(head + 1, max_rows + 1, step)})
 
 
 @functools.lru_cache(maxsize=4096)  # ~7 us of Python per call otherwise (launch overhead)

@@ -64,7 +64,7 @@ from ._linear_chain import _tiled_group, _tiled_tree, _tma_group, _tma_tree
 from ._linear_tiles import (  # noqa: F401  (the tables: tuned by the search, read by tests and benches)
     _CPU_BUCKETS, _CPU_CANDIDATES, _CPU_FIXED, _CPU_PROGRAMS, _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED,
     _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates,
-    tree_tile)
+    row_probes, tree_tile)
 
 try:  # host-side TMA descriptors (triton >= 3.3): no device scratch, no global allocator
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -88,7 +88,7 @@ def linear_row_variants(n: int, k: int, dtype: torch.dtype, max_rows: int, tma: 
     """The smallest row count of each launch variant of an ``[n, k]`` linear in
     ``[1, max_rows]``: a variant is (tile config, rows < BLOCK_M), all the key sees of M."""
     variants: dict = {}
-    for rows in range(1, max_rows + 1):
+    for rows in _linear.row_probes(dtype, max_rows):  # every row where the variant can change
         cfg = _linear.linear_config(rows, n, k, dtype, tma=tma, k_groups=k_groups)
         variants.setdefault((cfg, rows < cfg.block_m), rows)
     return sorted(variants.values())
