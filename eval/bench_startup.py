@@ -37,7 +37,6 @@ from eval.harness import bench_parser, print_summary, run_info, write_csv
 MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "llama-3.2-1b": "Llama-3.2-1B",
           "qwen2.5-1.5b": "Qwen2.5-1.5B"}
 MODES = ("serial", "threaded", "warm")
-PHASES = ("qualify", "train_warmup", "engine_start")
 _MARK = "STARTUP_RESULT "
 
 

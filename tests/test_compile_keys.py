@@ -360,3 +360,12 @@ def test_row_variants_from_the_row_probes_equal_every_row(table, monkeypatch):
                 assert W.linear_row_variants(n, k, torch.bfloat16, max_rows, tma=tma, k_groups=groups) == want, \
                     (n, k, tma, groups)
     assert len(_every_row_variant(4096, 1024, torch.bfloat16, max_rows, True, 1)) > 2  # variants exist to miss
+
+
+@pytest.mark.parametrize("value", ["0", "many", "-2"])
+def test_a_bad_compile_thread_count_is_refused_by_name(value, monkeypatch):
+    monkeypatch.setenv(W.THREADS_ENV, value)
+    with pytest.raises(ValueError, match=f"AREAL_TIK_COMPILE_THREADS must be a positive int, got '{value}'"):
+        W.default_workers()
+    monkeypatch.setenv(W.THREADS_ENV, "3")
+    assert W.default_workers() == 1  # the interpreter runs one kernel at a time whatever is asked

@@ -241,11 +241,13 @@ def compile_tasks(ops, device, sizes: ProbeSizes, probes: tuple[str, ...]) -> li
 
     tasks = []
     if "linear" in probes:
+        # Every row-count variant once (the probe's row counts fall among them: compiling
+        # each of those would start several threads on one key), then every config.
+        tasks += warm.warm_linear([(n, k, False) for n, k in sizes.linear_shapes], sizes.max_rows, _DTYPE, device)
         configs = linear_kernels.linear_candidates(_DTYPE, candidates=False)
         for n, k in sizes.linear_shapes:
             x = torch.zeros(sizes.max_rows, k, dtype=_DTYPE, device=device)
             w = torch.zeros(n, k, dtype=_DTYPE, device=device)
-            tasks += [functools.partial(ops.linear, x[:m], w) for m in _row_counts(sizes.max_rows)]
             tasks += [functools.partial(linear_kernels.linear_forward, x, w, None, config=cfg) for cfg in configs]
     if "attention" in probes:
         tasks += warm.warm_attention(sizes.heads, _DTYPE, device, training=False)
