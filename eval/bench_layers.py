@@ -136,6 +136,11 @@ def bench_model(name: str, tiny: bool, reps: int, device, stock_rollout: str = "
         compiled = ([p for p in PHASES if p.startswith(("prefill", "decode"))]
                     if kernels == "standard" and stock_rollout == "compiled" else [])
         if compiled:  # the same weights, compiled ops
+            # A stock engine compiles for its one model; across five models in one process each
+            # op's variants (ranks, eps, shapes) pile up on one code object and pass Dynamo's
+            # recompile limit of 8 (an H100 at 4910541: FailOnRecompileLimitHit in _std_rms_norm
+            # before the run's end), so each model starts afresh.
+            torch._dynamo.reset()
             rollout = phase_functions(UnifiedCausalLM(hf, kernels=compiled_standard_ops()), sizes,
                                       hf.config.vocab_size, device)
             fns.update({p: rollout[p] for p in compiled})

@@ -29,7 +29,7 @@ def step(i, reward, tokens, seconds):
 
 
 def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d", decode=None,
-              compiled=(), asked=None) -> Path:
+              compiled=(), asked=None, logprob=None) -> Path:
     folder = root / recipe / mode
     folder.mkdir(parents=True)
     metadata = {"commit": "abc", "gpu": "cpu", "kernel_set": mode}
@@ -37,6 +37,8 @@ def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, dige
         metadata["decode_attention"] = decode
     if compiled:
         metadata["compiled_ops"] = list(compiled)
+    if logprob is not None:
+        metadata["logprob"] = logprob
     (folder / "run.json").write_text(json.dumps({
         "format": 1, "recipe": recipe, "mode": mode, "seeds": {"seed": seed, "task_seed": 1},
         "steps": len(steps), "config_digest": digest, "group": f"{recipe}-seed{seed}",
@@ -174,7 +176,8 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert tik["metadata"]["decode_attention"] == "unified"
     assert stock["metadata"]["decode_attention"] == "gather-sdpa (not on a GPU)"
     assert stock["metadata"]["compiled_ops"] == list(COMPILED_STANDARD_OPS) and tik["metadata"]["compiled_ops"] == []
-    assert row[8] == "gather-sdpa (not on a GPU) + torch.compile"
+    assert tik["metadata"]["logprob"] == "unified" and stock["metadata"]["logprob"] == "chunked-eager (1024 rows)"
+    assert row[8] == "gather-sdpa (not on a GPU) + torch.compile; log-prob chunked-eager"
     assert row[9] == "n/a +/- n/a"  # one step: no spread to give an error
     assert "These means mix" not in page
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
@@ -326,25 +329,31 @@ def test_the_reward_ratio_target_is_averaged_over_the_real_weight_recipes_only(t
     assert means["reward_ratio_real_configurations"] == 1
 
 
-def test_a_mean_over_stock_runs_on_different_decode_paths_says_so(tmp_path):
-    """Each row names its stock run's decode attention (a run file without the field ran the
-    gather path, the standard set's only one then); means over rows on different paths carry
-    a note on the page, since the stock baseline differs between them."""
+def test_a_mean_over_stock_runs_on_different_paths_says_so(tmp_path):
+    """Each row names its stock run's path: decode attention and training log-prob (a run
+    file without a field ran what the standard set then had: the gather decode, the log-prob
+    materialised in fp32); means over rows on different paths carry a note on the page,
+    since the stock baseline differs between them."""
     write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="a", decode="unified")
     write_run(tmp_path, "stock", [step(1, 0.5, 100, 2.0)], recipe="a", decode="flash-seqused")
     write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="b")
     write_run(tmp_path, "stock", [step(1, 0.5, 100, 3.0)], recipe="b")
     write_run(tmp_path, "tik", [step(1, 0.5, 100, 1.0)], recipe="c", decode="unified")
-    write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.5)], recipe="c", decode="flash-seqused", compiled=["rms_norm"])
+    write_run(tmp_path, "stock", [step(1, 0.5, 100, 1.5)], recipe="c", decode="flash-seqused", compiled=["rms_norm"],
+              logprob="areal-gather-chunked (torch.compile, 1024 rows)")
     rows, means = summary_table(pair_runs(load_runs([tmp_path])), warmup=0)
-    assert {r["recipe"]: r["stock_decode"] for r in rows} == {"a": "flash-seqused", "b": "gather-sdpa",
-                                                              "c": "flash-seqused + torch.compile"}
-    assert means["stock_decode_paths"] == ["flash-seqused", "flash-seqused + torch.compile", "gather-sdpa"]
+    assert {r["recipe"]: r["stock_decode"] for r in rows} == {
+        "a": "flash-seqused; log-prob materialised-fp32", "b": "gather-sdpa; log-prob materialised-fp32",
+        "c": "flash-seqused + torch.compile; log-prob areal-gather-chunked"}
+    assert means["stock_decode_paths"] == ["flash-seqused + torch.compile; log-prob areal-gather-chunked",
+                                           "flash-seqused; log-prob materialised-fp32",
+                                           "gather-sdpa; log-prob materialised-fp32"]
     out = tmp_path / "report"
     assert main(report_args([tmp_path], out, warmup=0)) == 0
     page = (out / "index.html").read_text()
-    assert ("These means mix stock runs on different rollout paths (flash-seqused, flash-seqused + "
-            "torch.compile, gather-sdpa;") in page
+    assert ("These means mix stock runs on different paths (flash-seqused + torch.compile; log-prob "
+            "areal-gather-chunked, flash-seqused; log-prob materialised-fp32, gather-sdpa; log-prob "
+            "materialised-fp32;") in page
     only_a = tmp_path / "only_a"
     shutil.copytree(tmp_path / "a", only_a / "a")
     assert main(report_args([only_a], tmp_path / "report_a", warmup=0)) == 0

@@ -51,14 +51,18 @@ def _command_output(cmd: list[str], cwd=None) -> str | None:
 def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str = "unknown",
                  compiled_ops=()) -> dict:
     """Commit, device, driver and library versions of this process, the run's names, the
-    paged decode attention its engine runs (``decode_attention_path``) and the standard ops
-    its engine runs under torch.compile (``EngineConfig.compile_standard_ops``)."""
+    paged decode attention its engine runs (``decode_attention_path``), the standard ops
+    its engine runs under torch.compile (``EngineConfig.compile_standard_ops``) and the
+    trainer's token log-prob (``model.ops.standard_logprob_path`` for the standard set)."""
     import areal
     import torch
     import transformers
     import triton
 
+    from areal_tik.model.ops import standard_logprob_path
+
     on_gpu = torch.cuda.is_available()
+    logprob = "unified" if kernel_set == "unified" else standard_logprob_path("cuda" if on_gpu else "cpu")
     driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {
         "commit": os.environ.get("AREAL_TIK_COMMIT") or _command_output(
@@ -68,6 +72,7 @@ def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str 
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "transformers": transformers.__version__, "areal": getattr(areal, "__version__", "unknown"),
         "kernel_set": kernel_set, "decode_attention": decode_attention, "compiled_ops": list(compiled_ops),
+        "logprob": logprob,
         "recipe": recipe, "mode": mode,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

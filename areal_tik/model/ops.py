@@ -152,8 +152,53 @@ def _std_silu_mul(gate_up):
     return F.silu(gate) * up
 
 
+# Rows per chunk of the standard log-prob: AReaL 1.0.4's gather_logprobs default.
+LOGPROB_CHUNK = 1024
+
+
+@functools.cache
+def _areal_gather():
+    """AReaL's (gather_logprobs, gather_logprobs_entropy), or None where AReaL is absent."""
+    try:
+        from areal.utils.functional import gather_logprobs, gather_logprobs_entropy
+    except ImportError:
+        return None
+    return gather_logprobs, gather_logprobs_entropy
+
+
+def standard_logprob_path(device) -> str:
+    """What ``_std_token_logprobs`` runs on ``device``: the name a run file records."""
+    if torch.device(device).type == "cuda" and _areal_gather() is not None:
+        return f"areal-gather-chunked (torch.compile, {LOGPROB_CHUNK} rows)"
+    return f"chunked-eager ({LOGPROB_CHUNK} rows)"
+
+
+def _chunked_logprobs(logits, labels, temperature, return_entropy):
+    # AReaL's chunk function, eagerly: log_softmax(logits.float() / T), gathered (and entropy).
+    lps, ents = [], []
+    for i in range(0, logits.shape[0], LOGPROB_CHUNK):
+        logp = torch.log_softmax(logits[i:i + LOGPROB_CHUNK].float() / temperature, dim=-1)
+        lps.append(logp.gather(-1, labels[i:i + LOGPROB_CHUNK].unsqueeze(-1)).squeeze(-1))
+        if return_entropy:
+            ents.append(-(logp.exp() * logp).sum(-1))
+    return (torch.cat(lps), torch.cat(ents)) if return_entropy else torch.cat(lps)
+
+
 def _std_token_logprobs(hidden, weight, targets, temperature=1.0, return_entropy=False):
-    return reference.token_logprobs(hidden, weight, targets, temperature, return_entropy, compute=None)
+    """As AReaL's FSDP actor computes them: the LM head's logits in the activation dtype
+    (``F.linear``), then AReaL's ``gather_logprobs`` / ``gather_logprobs_entropy``
+    (``log_softmax(logits.float() / T)`` per 1024-row chunk, torch.compile'd) on a GPU; the
+    same chunked math eagerly elsewhere (a CPU compiles nothing). Until this, the standard
+    set materialised fp32 log-softmax over all rows at once: at 16,384 rows and Qwen's
+    151,936-entry vocabulary that is 10 GB a tensor, and the stock run of a 1024-token
+    recipe ran out of an 80 GB GPU's memory."""
+    logits = F.linear(hidden, weight)
+    labels = targets.long()
+    if logits.is_cuda and _areal_gather() is not None:
+        gather, gather_entropy = _areal_gather()
+        fn = gather_entropy if return_entropy else gather
+        return fn(logits, labels, temperature, chunk_size=LOGPROB_CHUNK)
+    return _chunked_logprobs(logits, labels, temperature, return_entropy)
 
 
 def _std_lm_head_logits_lse(hidden, weight, temperature=1.0):

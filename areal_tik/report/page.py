@@ -81,7 +81,7 @@ SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole"
                    ("throughput_steady", "throughput tik/stock (steady state)"),
                    ("throughput_process", "throughput tik/stock (whole process)"),
                    ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
-                   ("audit", "audit"), ("stock_decode", "stock rollout path (decode attention, compiled ops)"),
+                   ("audit", "audit"), ("stock_decode", "stock path (decode attention, compiled ops; training log-prob)"),
                    ("reward_ratio_of_means", "reward ratio of the runs' mean rewards (+/- 1 s.e.)"))
 
 
@@ -116,9 +116,10 @@ def summary_html(rows: list[dict], means: dict) -> str:
             + _tr("paper", ["paper (H20)", "", fmt(means["paper_throughput"]), "", "", fmt(means["paper_reward"])]))
     paths = means.get("stock_decode_paths", [])
     mixed = ("" if len(paths) < 2 else
-             f"<p class='note'>These means mix stock runs on different rollout paths "
-             f"({html.escape(', '.join(paths))}; the decode attention, and '+ torch.compile' where the "
-             f"engine compiled its elementwise ops): the stock baseline is not the same in every row.</p>")
+             f"<p class='note'>These means mix stock runs on different paths "
+             f"({html.escape(', '.join(paths))}; the decode attention, '+ torch.compile' where the "
+             f"engine compiled its elementwise ops, and the trainer's log-prob): the stock baseline is not "
+             f"the same in every row.</p>")
     return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>{mixed}"
 
 
@@ -154,7 +155,7 @@ def startup_html(pair: Pair) -> str:
 
 def meta_html(run: dict) -> str:
     m = run["metadata"]
-    keys = ("commit", "gpu", "driver", "torch", "triton", "cuda", "kernel_set", "decode_attention", "compiled_ops", "date")
+    keys = ("commit", "gpu", "driver", "torch", "triton", "cuda", "kernel_set", "decode_attention", "compiled_ops", "logprob", "date")
     return f"<p class='meta'>{html.escape(run['mode'])}: " + ", ".join(
         f"{k} {html.escape(str(m.get(k)))}" for k in keys) + "</p>"
 

@@ -169,12 +169,15 @@ def real_weights(recipe: str) -> bool:
 
 
 def stock_decode(run: dict) -> str:
-    """The stock run's paged decode attention, with "+ torch.compile" when its engine compiled
-    the standard elementwise ops; run files from before the field ran the gather path (the
-    only one the standard set had), eagerly."""
+    """The stock run's path: its paged decode attention, with "+ torch.compile" when its
+    engine compiled the standard elementwise ops, and its trainer's token log-prob. Run
+    files from before a field ran what the standard set then had: the gather decode,
+    eagerly, and the log-prob materialised in fp32 over all rows."""
     meta = run.get("metadata", {})
     path = meta.get("decode_attention") or "gather-sdpa"
-    return f"{path} + torch.compile" if meta.get("compiled_ops") else path
+    path = f"{path} + torch.compile" if meta.get("compiled_ops") else path
+    logprob = re.sub(r" \(.*?\)", "", meta.get("logprob") or "materialised-fp32")
+    return f"{path}; log-prob {logprob}"
 
 
 def summary_row(pair: Pair, warmup: int) -> dict:
@@ -202,7 +205,7 @@ def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
     ``throughput_process_configurations``: how many rows that mean has;
     ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
     ``reward_ratio_real_configurations`` of them; ``stock_decode_paths``: the stock runs'
-    decode attention paths, more than one when the means mix baselines)."""
+    paths (``stock_decode``), more than one when the means mix baselines)."""
     rows = [summary_row(p, warmup) for p in pairs]
     means = {key: _mean([r[key] for r in rows])
              for key in ("throughput_whole", "throughput_steady", "throughput_process", "reward_ratio_mean")}
