@@ -12,6 +12,11 @@ tokens (EOS ignored), batch 1 / 16 / 64 x 256 / 512 new tokens (``--quick``: bat
 and 64 x 256). Each backend is warmed up at every batch size before timing (Triton
 compiles and CUDA-graph captures happen outside the timed runs).
 
+``--backends ... unified-eager-sampler`` adds the unified engine with decode graphs that end
+at the hidden states (``graph_sample_temperature=None``: the LM head, the Gumbel draw and
+the log-prob launched eagerly every step, as before the sampling graphs): what putting the
+sampler into the graph saves per step.
+
 ``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
 residual add + RMSNorm, rope, SiLU-mul) under ``torch.compile``, as vLLM compiles its model
 (``areal_tik.model.ops.compiled_standard_ops``; the recipes' stock engine runs it): how much of
@@ -44,7 +49,7 @@ PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
-BACKENDS = ("unified", "standard", "hf", "compiled")
+BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler")
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
 
 
@@ -69,26 +74,28 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def engine_config(shapes, block: int = 64) -> EngineConfig:
+def engine_config(shapes, block: int = 64, **options) -> EngineConfig:
     """The engine sized for ``shapes`` ((batch, new_tokens) pairs after PROMPT_LEN-token prompts),
-    over ``block``-token KV blocks."""
+    over ``block``-token KV blocks; ``options``: further EngineConfig fields."""
     max_bs = max(b for b, _ in shapes)
     max_len = PROMPT_LEN + max(n for _, n in shapes)
     # Every request of a run finishes together, so decode batches are exactly the benchmark
     # batch sizes: capturing only those saves the other buckets' capture time.
     return EngineConfig(max_num_seqs=max_bs, max_model_len=max_len, kv_block_size=block,
                         num_kv_blocks=max_bs * -(-max_len // block) + 1, cuda_graphs=True,
-                        cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0)
+                        cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})), seed=0, **options)
 
 
 def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops ("compiled": the
     standard set with its elementwise ops compiled)."""
-    model = UnifiedCausalLM.from_hf(hf_model, kernels=compiled_standard_ops() if kernels == "compiled" else kernels)
+    ops = {"compiled": compiled_standard_ops(), "unified-eager-sampler": "unified"}.get(kernels, kernels)
+    model = UnifiedCausalLM.from_hf(hf_model, kernels=ops)
     # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
     # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
     block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if model.kernels == "standard" else 64
-    with LLM(model, engine_config(shapes, block)) as llm:
+    options = {"graph_sample_temperature": None} if kernels == "unified-eager-sampler" else {}
+    with LLM(model, engine_config(shapes, block, **options)) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
     llm = model = None  # free the KV cache and CUDA graphs before the next backend
@@ -169,7 +176,8 @@ def ratio_rows(model_name, results, info) -> list[dict]:
         base = dict(info, model=model_name, batch=batch, prompt_len=PROMPT_LEN, new_tokens=new, unit="x")
         pairs = (("unified/standard", "standard", "unified"), ("unified/hf", "hf", "unified"),
                  ("standard/hf", "hf", "standard"), ("unified/compiled", "compiled", "unified"),
-                 ("compiled/standard", "standard", "compiled"))
+                 ("compiled/standard", "standard", "compiled"),
+                 ("unified/unified-eager-sampler", "unified-eager-sampler", "unified"))
         for name, slow, fast in pairs:
             if slow in results and fast in results:
                 rows.append(dict(base, backend=name, metric="speedup",
@@ -179,13 +187,13 @@ def ratio_rows(model_name, results, info) -> list[dict]:
 
 def summarize(results) -> None:
     print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
-          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8}")
+          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8}")
     for shape in results["unified"]:
         batch, new = shape
         rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
         uni = results["unified"][shape]
         ratios = " ".join(f"{results[b][shape] / uni:8.2f}" if shape in results.get(b, {}) else f"{'-':>8}"
-                          for b in ("standard", "hf", "compiled"))
+                          for b in ("standard", "hf", "compiled", "unified-eager-sampler"))
         print(f"{batch:5d} {new:4d} {rates} {ratios}")
 
 

@@ -10,8 +10,12 @@ import random
 
 import pytest
 
+import torch
+
 from areal_tik.engine import LLM, EngineConfig, SamplingParams
 from areal_tik.engine.decode_graphs import DecodeGraphs, smallest_holding, table_widths
+from areal_tik.engine.model_runner import graph_samples
+from areal_tik.engine.sequence import Sequence
 from areal_tik.model import UnifiedCausalLM, published_config, random_model
 
 from ._engine_utils import assert_same_outputs
@@ -31,6 +35,72 @@ def test_smallest_holding_and_keys_without_capture():
     assert graphs.key(4, 3) is None  # nothing captured (CPU): the step decodes eagerly
     graphs.graphs[(4, 4)] = object()  # what a capture registers; only the lookup is under test
     assert graphs.key(4, 3) == (4, 4) and graphs.key(4, 5) is None and graphs.key(2, 3) is None
+
+
+def test_graph_samples_only_rows_it_draws_as_sample_would():
+    """A graph that samples at T serves a step only when every row samples at T over the
+    whole vocabulary: a greedy, filtered or other-temperature row sends the step to ``sample``."""
+    def seqs(*params):
+        return [Sequence(i, [1, 2], p, sample_key=i) for i, p in enumerate(params)]
+    plain = SamplingParams(temperature=1.0)
+    assert graph_samples(seqs(plain, SamplingParams(temperature=1.0, seed=3)), 1.0)
+    assert not graph_samples(seqs(plain), None)
+    assert not graph_samples(seqs(plain), 0.7)
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_p=0.9)):
+        assert not graph_samples(seqs(plain, other), 1.0), other
+
+
+def test_replay_slices_every_output_of_a_sampling_graph():
+    class Graph:
+        replayed = 0
+
+        def replay(self):
+            Graph.replayed += 1
+    graphs = DecodeGraphs((4,), (2,))
+    graphs.graphs[(4, 2)] = Graph()
+    graphs.outputs[(4, 2)] = (torch.arange(8).view(4, 2), torch.arange(4), torch.arange(4.0))
+    hidden, tokens, logprobs = graphs.replay((4, 2), 3)
+    assert hidden.shape == (3, 2) and tokens.tolist() == [0, 1, 2] and logprobs.tolist() == [0.0, 1.0, 2.0]
+    graphs.outputs[(4, 2)] = torch.arange(4)
+    assert graphs.replay((4, 2), 2).tolist() == [0, 1] and Graph.replayed == graphs.replays == 2
+
+
+def test_graph_sample_temperature_is_checked():
+    assert EngineConfig().graph_sample_temperature == 1.0
+    assert EngineConfig(graph_sample_temperature=None).graph_sample_temperature is None
+    assert EngineConfig(graph_sample_temperature=2).graph_sample_temperature == 2.0
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="graph_sample_temperature"):
+            EngineConfig(graph_sample_temperature=bad)
+    with pytest.raises(TypeError, match="graph_sample_temperature"):
+        EngineConfig(graph_sample_temperature="1")
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_graphs_draw_the_eager_tokens_and_logprobs():
+    """Unified kernels, Qwen3-0.6B config: decode graphs that sample at T = 1 give the
+    tokens and log-prob bits of graphs that end at the hidden states and of eager decode;
+    every decode step of T = 1 requests is served by the sampling graph, and a step with
+    a T = 0.7 row samples eagerly from the same graph's hidden states (same bits again)."""
+    model = UnifiedCausalLM.from_hf(random_model(published_config("Qwen3-0.6B"), device="cuda", seed=0))
+    model.fuse_projections()
+    rng = random.Random(5)
+    prompts = [[rng.randrange(8, model.config.vocab) for _ in range(rng.randrange(20, 90))] for _ in range(6)]
+    for temps in ((1.0,) * 6, (1.0, 0.7, 1.0, 1.0, 1.0, 1.0)):
+        params = [SamplingParams(temperature=t, max_new_tokens=12, ignore_eos=True, seed=i) for i, t in enumerate(temps)]
+        outs = {}
+        for name, options in (("sampling", dict(graph_sample_temperature=1.0)),
+                              ("hidden", dict(graph_sample_temperature=None)), ("eager", dict(cuda_graphs=False))):
+            config = EngineConfig(max_num_seqs=8, max_model_len=256, cuda_graph_sizes=(1, 2, 4, 8), **options)
+            with LLM(model, config) as llm:
+                outs[name] = llm.generate(prompts, params)
+                if name == "sampling":
+                    decode_steps = llm.step_counts.decode
+                    assert decode_steps > 0 and llm.runner.graph_replays == decode_steps
+                    assert llm.runner.graph_sampled == (decode_steps if 0.7 not in temps else 0)
+        assert_same_outputs(outs["sampling"], outs["hidden"])
+        assert_same_outputs(outs["sampling"], outs["eager"])
 
 
 @pytest.mark.gpu

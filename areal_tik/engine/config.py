@@ -58,6 +58,12 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = _option(
         None, "The exact buckets to capture (None: 1, 2, 4, 8, then multiples of 16 up to "
               "max_graph_batch_size).")
+    graph_sample_temperature: float | None = _option(
+        1.0, "Decode graphs also draw the tokens (Gumbel-max, no top-k / top-p) and take their "
+             "log-probs at this temperature (> 0), so a decode step whose every row samples at it "
+             "replays one graph, sampling included; other steps sample eagerly from the graph's "
+             "hidden states. None: the graphs end at the hidden states. Same bits either way; "
+             "off with vocab_parallel (its sampler gathers across ranks).")
     compile_at_start: bool = _option(
         True, "Unified kernels on a GPU: compile every Triton kernel variant rollout launches (prefill "
               "up to the token budget, paged prefill, decode, sampling) when the engine starts, so no "
@@ -108,6 +114,11 @@ class EngineConfig:
         if not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes, minimum=1)
+        if self.graph_sample_temperature is not None:
+            t = _check_float("graph_sample_temperature", self.graph_sample_temperature)
+            if not t > 0:
+                raise ValueError(f"graph_sample_temperature must be > 0 or None, got {self.graph_sample_temperature!r}")
+            self.graph_sample_temperature = t
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         _check_int("max_graph_batch_size", self.max_graph_batch_size, minimum=1, allow_none=True)

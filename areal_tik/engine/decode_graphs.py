@@ -56,7 +56,7 @@ class DecodeGraphs:
         self.sizes = tuple(sizes)
         self.widths = tuple(widths)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self.replays = 0  # decode steps served by a graph
 
     def bucket(self, batch: int) -> int | None:
@@ -105,8 +105,10 @@ class DecodeGraphs:
         self.graphs[key] = graph
         return graph.pool() if pool is None else pool
 
-    def replay(self, key: tuple[int, int], batch: int) -> torch.Tensor:
-        """Replay graph ``key`` (its inputs already staged); the first ``batch`` output rows."""
+    def replay(self, key: tuple[int, int], batch: int):
+        """Replay graph ``key`` (its inputs already staged); the first ``batch`` rows of its
+        output (of each, when the captured function returned a tuple)."""
         self.graphs[key].replay()
         self.replays += 1
-        return self.outputs[key][:batch]
+        out = self.outputs[key]
+        return tuple(t[:batch] for t in out) if isinstance(out, tuple) else out[:batch]

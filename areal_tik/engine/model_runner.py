@@ -29,6 +29,16 @@ from .sequence import Sequence, split_step, step_kind
 logger = logging.getLogger(__name__)
 
 
+def graph_samples(seqs: list[Sequence], temperature: float | None) -> bool:
+    """Whether a decode graph that samples at ``temperature`` draws what ``sample`` would
+    for every row of ``seqs``: each row samples at that temperature (its log-probs too),
+    over the whole vocabulary (no top-k / top-p)."""
+    if temperature is None:
+        return False
+    return all(s.params.temperature == temperature and s.params.top_k == 0 and s.params.top_p == 1.0
+               for s in seqs)
+
+
 def warmup_shapes(model, rollout: bool = False, dtype: torch.dtype | None = None):
     """``WarmupShapes`` of a ``UnifiedCausalLM``: every projection weight (the LM head
     aside), its norms, MLP width, heads and LM head. o_proj / down_proj run the model's
@@ -121,6 +131,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             sizes, table_widths(config.max_blocks_per_seq, getattr(model, "kernels", None)))
         self.step_counts = StepCounts()
+        self.graph_sampled = 0  # decode steps whose tokens and log-probs a graph drew
         self.decode_inputs = DecodeInputs(config.max_num_seqs, config.max_blocks_per_seq,
                                           self.block_manager, self.device)
         self._init_result_buffers(config.max_num_seqs)
@@ -254,8 +265,9 @@ class ModelRunner:
             if done:
                 parts.append(self.sample(hidden, done))
         if decode:
-            hidden = self._decode(decode, bucket)
-            parts.append(self.sample(hidden, decode, self.decode_inputs.sample_keys(len(decode))))
+            hidden, sampled = self._decode(decode, bucket)
+            parts.append(sampled if sampled is not None
+                         else self.sample(hidden, decode, self.decode_inputs.sample_keys(len(decode))))
         n = sum(p[0].shape[0] for p in parts)
         if 2 * n > self._result_host.numel():  # prefill batches are bounded by max_num_seqs too
             self._init_result_buffers(n)
@@ -299,16 +311,32 @@ class ModelRunner:
         depends on the batch size alone, never on the step's prefill chunks."""
         return self.decode_graphs.bucket(batch)
 
-    def _decode(self, seqs: list[Sequence], bucket: int | None) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], bucket: int | None):
+        """(hidden [B, H], (tokens, log-probs) when a graph drew them for every row, else None)."""
         batch = len(seqs)
         staging = self.decode_inputs
         width = max(len(s.block_table) for s in seqs)
         key = self.decode_graphs.key(bucket, width)
         if key is None:  # above the plan, or nothing captured (CPU, failed capture)
             staging.stage(seqs, batch)
-            return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width))
+            return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width)), None
         staging.stage(seqs, bucket)  # the graph reads the staging buffer's device views
-        return self.decode_graphs.replay(key, batch)
+        out = self.decode_graphs.replay(key, batch)
+        if not isinstance(out, tuple):
+            return out, None
+        hidden, tokens, logprobs = out
+        if not graph_samples(seqs, self.graph_sample_temperature):
+            return hidden, None
+        self.graph_sampled += 1
+        return hidden, (tokens, logprobs)
+
+    @property
+    def graph_sample_temperature(self) -> float | None:
+        """The temperature the decode graphs sample at, or None when they end at the hidden
+        states (``EngineConfig.graph_sample_temperature``; never with a vocabulary shard)."""
+        if self.config.vocab_parallel or getattr(self.model, "vocab_shard_logits_lse", None) is not None:
+            return None
+        return self.config.graph_sample_temperature
 
     # ------------------------------------------------------------------ sampling
 
@@ -366,9 +394,22 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         # The staging buffer holds padding rows here (scratch block only); its device views
-        # are the graph's inputs, so a step's one staging copy feeds the replay.
+        # are the graph's inputs, so a step's one staging copy feeds the replay. With a graph
+        # temperature the graph goes on to draw every row's token and its log-prob from the
+        # staged sampling keys: the launches ``sample`` makes eagerly, on the bucket's rows
+        # (row-invariant ops; the Gumbel split count follows the rows, the drawn token,
+        # the first maximal index, does not).
+        temperature = self.graph_sample_temperature
+
         def decode(**inputs):
-            return self.model.decode(cache=self.kv_cache, **inputs)
+            hidden = self.model.decode(cache=self.kv_cache, **inputs)
+            if temperature is None:
+                return hidden
+            rows = hidden.shape[0]
+            keys, counters = self.decode_inputs.sample_keys(rows)
+            logits, lse = self.model.logits_lse(hidden, temperature)
+            tokens = sampler.sample(logits, temperature, keys, counters)
+            return hidden, tokens, self.model.ops.gather_logprobs(logits, lse, tokens, temperature)
         tp = self.tensor_parallel
         agree = None if tp is None else (lambda ok: bool(tp.min_int(int(ok))))
         self.decode_graphs.capture(decode, self.decode_inputs.model_inputs, self.device, agree)
