@@ -334,7 +334,7 @@ class ModelRunner:
     def graph_sample_temperature(self) -> float | None:
         """The temperature the decode graphs sample at, or None when they end at the hidden
         states (``EngineConfig.graph_sample_temperature``; never with a vocabulary shard)."""
-        if self.config.vocab_parallel or getattr(self.model, "vocab_shard_logits_lse", None) is not None:
+        if self.config.vocab_parallel:
             return None
         return self.config.graph_sample_temperature
 
