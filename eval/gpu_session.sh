@@ -42,6 +42,8 @@ GRPO_OUT=${GRPO_OUT:-/tmp/areal-tik-grpo}  # per-mode JSONs, kept across calls
 RUNS_OUT=${RUNS_OUT:-/tmp/areal-tik-runs}  # recipe run folders, kept across calls
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 STAGES=${*:-env tests bench_ops bench_attn}
+# Pass AREAL_TIK_COMMIT=<hash> in the call's command: the device copy's git metadata can be older
+# than the tree that runs (a later machine reported 4910541 for code at fdec39e and 4a44ed4).
 COMMIT=${AREAL_TIK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export AREAL_TIK_COMMIT=$COMMIT
 log() { echo "== $(date -u +%H:%M:%S) $*"; }

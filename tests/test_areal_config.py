@@ -222,6 +222,32 @@ def test_sampling_params_follow_gconfig():
         sampling_params(g.new(stop=["\n"]), 6, 256)
 
 
+def test_the_runs_engine_samples_in_its_graphs_at_the_rollout_temperature(load, tmp_path):
+    """The in-process engine's decode graphs draw at gconfig's temperature when its requests
+    can be drawn there, and not at all for greedy or filtered requests (whose every step would
+    draw again eagerly); ``tik.graph_sample_temperature: null`` keeps them off."""
+    import json
+
+    from areal.api.cli_args import GenerationHyperparameters
+
+    from areal_tik.adapter.sampling import graph_temperature
+    from areal_tik.adapter.trainer import rollout_engine_config
+
+    g = GenerationHyperparameters(max_new_tokens=8, temperature=0.7)  # AReaL's top_k default: 1e8
+    assert graph_temperature(g, 256) == 0.7
+    assert graph_temperature(g.new(greedy=True), 256) is None
+    assert graph_temperature(g.new(top_k=20), 256) is None and graph_temperature(g.new(top_p=0.9), 256) is None
+    assert graph_temperature(g.new(top_k=256), 256) == 0.7  # k >= vocabulary: no filter
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 256}))
+    config = load(["++gconfig.temperature=0.7", f"++actor.path={model}"])
+    assert rollout_engine_config(config).graph_sample_temperature == 0.7
+    assert rollout_engine_config(config).max_num_seqs == config.tik.max_num_seqs
+    off = load(["++gconfig.temperature=0.7", f"++actor.path={model}", "++tik.graph_sample_temperature=null"])
+    assert rollout_engine_config(off).graph_sample_temperature is None
+
+
 def test_one_list_of_unsupported_options_for_engine_client_and_server():
     # The client's JSON goes through the same translation and back through the server's
     # parser to the same SamplingParams; each UNSUPPORTED option is refused by both ends.

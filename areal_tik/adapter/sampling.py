@@ -66,6 +66,16 @@ def sampling_params(gconfig, max_new_tokens: int, vocab_size: int | None):
     )
 
 
+def graph_temperature(gconfig, vocab_size: int | None = None) -> float | None:
+    """The temperature a training run's engine should sample at inside its decode graphs
+    (``EngineConfig.graph_sample_temperature``): the rollout's, when its requests can be
+    drawn there (not greedy, no top-k / top-p); None otherwise, so that no graph draws
+    tokens every step that the step then draws again eagerly."""
+    t = 0.0 if gconfig.greedy else float(gconfig.temperature)
+    filtered = top_k_active(int(gconfig.top_k), vocab_size) or float(gconfig.top_p) < 1.0
+    return t if t > 0 and not filtered else None
+
+
 def to_json(params) -> dict:
     """``params`` as an SGLang-style ``sampling_params`` object."""
     out = {name: getattr(params, name) for name in _WIRE}

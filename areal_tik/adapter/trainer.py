@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from copy import deepcopy
@@ -84,6 +85,20 @@ def _server_engine(trainer, rollout_config, is_eval: bool):
     return engine
 
 
+def rollout_engine_config(config):
+    """The ``tik:`` block the run's in-process engine gets: its decode graphs sample at the
+    rollout's temperature (``sampling.graph_temperature``), unless the block turned graph
+    sampling off (``tik.graph_sample_temperature: null``)."""
+    from transformers import AutoConfig
+
+    from .sampling import graph_temperature
+
+    if config.tik.graph_sample_temperature is None:
+        return config.tik
+    vocab = AutoConfig.from_pretrained(config.actor.path).vocab_size  # AReaL's top_k default is 1e8
+    return dataclasses.replace(config.tik, graph_sample_temperature=graph_temperature(config.gconfig, vocab))
+
+
 def wrap_init_rollout(original):
     @functools.wraps(original)
     def _init_rollout(self, rollout_config, is_eval: bool = False, lora_path=None):
@@ -100,7 +115,7 @@ def wrap_init_rollout(original):
         actor = self.config.actor
         engine = TikInferenceEngine(config, llm=shared, model_path=actor.path,
                                     dtype=getattr(torch, actor.dtype), kernels=actor.tik_kernels,
-                                    device=_device(), engine_config=self.config.tik)
+                                    device=_device(), engine_config=rollout_engine_config(self.config))
         engine.initialize(engine_id=f"{'eval-' if is_eval else ''}rank{os.environ.get('RANK', '0')}",
                           train_data_parallel_size=self.actor_alloc.parallel.dp_size)
         return engine
