@@ -1,7 +1,10 @@
 """Runs the model for one scheduled step: input preparation, prefill / decode, sampling.
 
 Decode on a GPU replays CUDA graphs captured per batch-size bucket and block-table width
-(``decode_graphs``); prefill and CPU decode run eagerly.
+(``decode_graphs``); prefill and CPU decode run eagerly. With a graph temperature
+(``EngineConfig.graph_sample_temperature``) a graph also draws the tokens and takes their
+log-probs, and serves the whole step when every row samples at that temperature
+(``graph_samples``); otherwise the step samples eagerly from the graph's hidden states.
 
 Per decode step the host fills one persistent buffer in place and sends it with one copy
 (``DecodeInputs``; its device views are the graph inputs), and reads the sampled tokens
