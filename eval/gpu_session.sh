@@ -10,6 +10,7 @@
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets; OPT_BUDGET_S, OPT_ARGS e.g. --rounds 7);
+#           optimize_agent (the agent's attention candidates in eval/agent/: eval/agent/round.sh);
 #           run dirs: $OUT/optimize_runs*.tgz
 #           bench_tp (needs 2 GPUs: TP = 2 vs TP = 1 rollout and the training forward, bits and tokens/s)
 #           bench_tp_vocab (the same with the embedding and LM head vocabulary-sharded)
@@ -171,6 +172,9 @@ for s in $STAGES; do case $s in
   optimize) run optimize 570 python3 -m eval.optimize_gpu --out "$OUT" --budget-s attention=240 linear=120 ;;
   optimize_attention) run optimize_attention 570 python3 -m eval.optimize_gpu --out "$OUT/attention" \
                         --ops attention --budget-s attention=${OPT_BUDGET_S:-420} ${OPT_ARGS:-} ;;
+  # The agent-driven attention round: the candidates in eval/agent/, proposed, audited and
+  # promoted when allowed (eval/agent/round.sh; AGENT_ROUNDS paired timing rounds, default 5).
+  optimize_agent) run optimize_agent 570 bash eval/agent/round.sh "$OUT/agent" "${AGENT_ROUNDS:-5}" ;;
   optimize_linear) run optimize_linear 570 python3 -m eval.optimize_gpu --out "$OUT/linear" \
                      --ops linear --budget-s linear=${OPT_BUDGET_S:-420} ${OPT_ARGS:-} ;;
   # Tensor-parallel rollout on 2 GPUs (Qwen3-1.7B, Llama-3.2-1B configs): bitwise rate vs

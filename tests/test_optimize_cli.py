@@ -17,6 +17,20 @@ def _main(*argv) -> int:
     return cli.main(parser.parse_args(list(argv)))
 
 
+def test_the_areal_tik_entry_point_takes_the_run_directory(tmp_path, capsys):
+    """``areal-tik optimize ... --run RUN`` as the README writes it: the top-level parser keeps
+    its command's entry point in ``args.run``, which a ``--run`` option must not overwrite
+    (it did: 'str' object is not callable)."""
+    from areal_tik.cli import main as areal_tik
+
+    run_dir = str(tmp_path / "run")
+    assert areal_tik(["optimize", "init", "--run", run_dir, "--op", "linear", "--grid", "tiny",
+                      "--device", "cpu", "--coefficients", "uniform"]) == 0
+    assert areal_tik(["optimize", "status", "--run", run_dir, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{\n"):])["op"] == "linear"
+
+
 def test_commands_drive_a_run_and_refuse_a_second_init(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     assert _main("init", "--run", run_dir, "--op", "linear", "--grid", "tiny", "--device", "cpu",

@@ -35,7 +35,7 @@ def _backend(device: str) -> None:
 
 def _open(args):
     from .records import RunDir
-    run = RunDir(args.run)
+    run = RunDir(args.run_dir)
     _backend(run.config.device.split(":")[0])
     return run
 
@@ -54,7 +54,7 @@ def cmd_init(args) -> int:
     device = args.device or ("cuda" if _cuda() else "cpu")
     _backend(device)
     from .evaluator import init_run
-    run = init_run(args.run, args.op, args.grid, device, cap=args.cap, seed=args.seed,
+    run = init_run(args.run_dir, args.op, args.grid, device, cap=args.cap, seed=args.seed,
                    coefficients=args.coefficients)
     print(f"initialised {args.op} run at {run.path} ({len(run.config.workloads)} workloads, "
           f"root {run.config.root_config})")
@@ -144,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     def command(name, func, help_text):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--run", required=True, help="the run directory")
+        # dest run_dir: ``areal-tik``'s top-level parser keeps its command's entry in ``run``
+        p.add_argument("--run", dest="run_dir", required=True, help="the run directory")
         p.set_defaults(optimize_func=func)
         return p
 
