@@ -90,6 +90,10 @@ def test_engine_flags_are_generated_from_engine_config(command):
     add_dataclass_arguments(p, EngineConfig)
     assert dataclass_from_args(EngineConfig, p.parse_args(dataclass_to_argv(config))) == config
     assert dataclass_from_args(EngineConfig, p.parse_args([])) == EngineConfig()
+    # None on a field whose default is not None (graph sampling turned off) survives the trip
+    off = EngineConfig(graph_sample_temperature=None, max_graph_batch_size=None)
+    assert "--graph-sample-temperature" in dataclass_to_argv(off)
+    assert dataclass_from_args(EngineConfig, p.parse_args(dataclass_to_argv(off))) == off
 
 
 def test_a_new_engine_option_needs_one_field():

@@ -75,7 +75,7 @@ def _server_engine(trainer, rollout_config, is_eval: bool):
                 "GPUs named in rollout.tik_server_addrs.")
         addrs = [engine.launch_local_server({
             "model": actor.path, "dtype": actor.dtype, "kernels": actor.tik_kernels, "device": str(device),
-            "engine": trainer.config.tik})]
+            "engine": rollout_engine_config(trainer.config)})]
     engine.initialize(engine_id=f"{'eval-' if is_eval else ''}rank{os.environ.get('RANK', '0')}", addr=addrs,
                       train_data_parallel_size=trainer.actor_alloc.parallel.dp_size)
     if actor.weight_update_mode == "xccl":
@@ -86,7 +86,7 @@ def _server_engine(trainer, rollout_config, is_eval: bool):
 
 
 def rollout_engine_config(config):
-    """The ``tik:`` block the run's in-process engine gets: its decode graphs sample at the
+    """The ``tik:`` block the run's own engine gets (in process, or the server it launches): its decode graphs sample at the
     rollout's temperature (``sampling.graph_temperature``), unless the block turned graph
     sampling off (``tik.graph_sample_temperature: null``)."""
     from transformers import AutoConfig

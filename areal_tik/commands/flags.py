@@ -67,11 +67,15 @@ def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
 
 def dataclass_to_argv(obj, skip: tuple[str, ...] = ()) -> list[str]:
     """The flags that make ``add_dataclass_arguments`` parse back to ``obj``'s values
-    (fields at None are left out, so they keep the field default None)."""
+    (a field at None is left out where its default is None, else written 'none')."""
     argv = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.name in skip or value is None:
+        if f.name in skip:
+            continue
+        if value is None:
+            if f.default is not None:  # e.g. graph_sample_temperature: default 1.0, None turns it off
+                argv += [_flag(f.name), "none"]
             continue
         if isinstance(value, bool):
             argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))

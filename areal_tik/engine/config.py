@@ -62,7 +62,8 @@ class EngineConfig:
         1.0, "Decode graphs also draw the tokens (Gumbel-max, no top-k / top-p) and take their "
              "log-probs at this temperature (> 0), so a decode step whose every row samples at it "
              "replays one graph, sampling included; other steps sample eagerly from the graph's "
-             "hidden states. None: the graphs end at the hidden states. Same bits either way; "
+             "hidden states, the graph's own draw then wasted. None: the graphs end at the hidden "
+             "states (for engines whose requests mostly sample otherwise). Same bits either way; "
              "off with vocab_parallel (its sampler gathers across ranks).")
     compile_at_start: bool = _option(
         True, "Unified kernels on a GPU: compile every Triton kernel variant rollout launches (prefill "

@@ -38,8 +38,7 @@ def graph_samples(seqs: list[Sequence], temperature: float | None) -> bool:
     over the whole vocabulary (no top-k / top-p)."""
     if temperature is None:
         return False
-    return all(s.params.temperature == temperature and s.params.top_k == 0 and s.params.top_p == 1.0
-               for s in seqs)
+    return all(s.params.temperature == temperature and s.params.logprobs_match_sampling for s in seqs)
 
 
 def warmup_shapes(model, rollout: bool = False, dtype: torch.dtype | None = None):
@@ -388,10 +387,14 @@ class ModelRunner:
             logits, lse, col0, gather = part
             tokens, picked = sampler.sample_sharded(logits, col0, gather, temperature, keys[0], keys[1])
             return tokens, self.model.ops.gather_logprobs(picked, lse, torch.zeros_like(tokens), logprob_t)
+        return self._draw(hidden, temperature, logprob_t, keys[0], keys[1], top_k, top_p)
+
+    def _draw(self, hidden, temperature: float, logprob_t: float, keys, counters, top_k=None, top_p=None):
+        """(tokens, their log-probs at ``logprob_t``) from one LM-head pass over ``hidden``:
+        what a step's rows get, eagerly or inside a decode graph."""
         logits, lse = self.model.logits_lse(hidden, logprob_t)
-        tokens = sampler.sample(logits, temperature, keys[0], keys[1], top_k, top_p)
-        logprobs = self.model.ops.gather_logprobs(logits, lse, tokens, logprob_t)
-        return tokens, logprobs
+        tokens = sampler.sample(logits, temperature, keys, counters, top_k, top_p)
+        return tokens, self.model.ops.gather_logprobs(logits, lse, tokens, logprob_t)
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -408,11 +411,8 @@ class ModelRunner:
             hidden = self.model.decode(cache=self.kv_cache, **inputs)
             if temperature is None:
                 return hidden
-            rows = hidden.shape[0]
-            keys, counters = self.decode_inputs.sample_keys(rows)
-            logits, lse = self.model.logits_lse(hidden, temperature)
-            tokens = sampler.sample(logits, temperature, keys, counters)
-            return hidden, tokens, self.model.ops.gather_logprobs(logits, lse, tokens, temperature)
+            keys, counters = self.decode_inputs.sample_keys(hidden.shape[0])
+            return (hidden, *self._draw(hidden, temperature, temperature, keys, counters))
         tp = self.tensor_parallel
         agree = None if tp is None else (lambda ok: bool(tp.min_int(int(ok))))
         self.decode_graphs.capture(decode, self.decode_inputs.model_inputs, self.device, agree)

@@ -166,6 +166,12 @@ def _areal_gather():
     return gather_logprobs, gather_logprobs_entropy
 
 
+@functools.cache
+def _warn_eager_logprobs() -> None:
+    warnings.warn("areal-tik: AReaL is not importable, so the standard token log-prob runs its "
+                  "chunks eagerly on the GPU, not AReaL's compiled gather_logprobs", RuntimeWarning, stacklevel=3)
+
+
 def standard_logprob_path(device) -> str:
     """What ``_std_token_logprobs`` runs on ``device``: the name a run file records."""
     if torch.device(device).type == "cuda" and _areal_gather() is not None:
@@ -194,7 +200,9 @@ def _std_token_logprobs(hidden, weight, targets, temperature=1.0, return_entropy
     recipe ran out of an 80 GB GPU's memory."""
     logits = F.linear(hidden, weight)
     labels = targets.long()
-    if logits.is_cuda and _areal_gather() is not None:
+    if logits.is_cuda and _areal_gather() is None:
+        _warn_eager_logprobs()
+    elif logits.is_cuda:
         gather, gather_entropy = _areal_gather()
         fn = gather_entropy if return_entropy else gather
         return fn(logits, labels, temperature, chunk_size=LOGPROB_CHUNK)
