@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from areal_tik.optimize import checks, evaluator
@@ -17,10 +18,11 @@ REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 
-def test_gqa_packed_prefill_passes_the_gate_and_zeroes_padding_rows(tmp_path):
+@pytest.mark.parametrize("name", ["attention_gqa_pack", "attention_gqa_pack_kv_major"])
+def test_gqa_packed_prefill_passes_the_gate_and_zeroes_padding_rows(tmp_path, name):
     op = AttentionOp("tiny")
     run = evaluator.init_run(tmp_path / "run", "attention", "tiny", coefficients="uniform")
-    impl = load_source(op, REPO / "eval" / "agent" / "attention_gqa_pack.py", f"gqa_pack_{tmp_path.name}")
+    impl = load_source(op, REPO / "eval" / "agent" / f"{name}.py", f"{name}_{tmp_path.name}")
     results = checks.run_gate(op, impl, op.config_impl(op.root_config()), None, CPU, run.config, seed=7)
     assert set(results.values()) == {"ok"}, results
     # sequences of 19 and 5 rows packed into 30 (5 padding rows), LSE included
