@@ -125,6 +125,11 @@ def test_run_state_audits_and_falls_back_loudly():
     fresh = RunState()
     fresh.record_audit(empty, step=0)
     assert fresh.audit_pending and fresh.reuse_active  # inconclusive: audit again next step
+    assert fresh.verdict() == "no conclusive audit yet"
+    fresh.record_audit(passed, step=1)
+    fresh.record_audit(empty, step=2)
+    assert fresh.verdict() == "all 1 audits bitwise equal; 2 more found no fresh tokens to compare"
+    assert (fresh.summary()["audits"], fresh.summary()["audits_inconclusive"]) == (3, 2)
 
 
 def test_time_saved_is_a_lower_bound_from_the_audit_recompute():

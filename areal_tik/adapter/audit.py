@@ -143,7 +143,15 @@ class RunState:
                     f"(on_mismatch={self.on_mismatch}), {passed} audits bitwise equal")
         if passed == 0:
             return "no conclusive audit yet"
-        return f"all {passed} audits bitwise equal"
+        idle = self.inconclusive_audits
+        # An audit that found no fresh (reused) tokens compares nothing: in an asynchronous run
+        # every token after the first step can be stale, recomputed rather than reused.
+        return f"all {passed} audits bitwise equal" + (
+            f"; {idle} more found no fresh tokens to compare" if idle else "")
+
+    @property
+    def inconclusive_audits(self) -> int:
+        return sum(not a.conclusive for a in self.audits)
 
     def summary(self) -> dict:
         tokens = sum(a.num_tokens for a in self.audits)
@@ -152,6 +160,7 @@ class RunState:
             "reuse_active": self.reuse_active,
             "verdict": self.verdict(),
             "audits": len(self.audits),
+            "audits_inconclusive": self.inconclusive_audits,
             "audited_tokens": tokens,
             "audited_bitwise_fraction": equal / tokens if tokens else float("nan"),
             "tokens_reused": self.tokens_reused,
