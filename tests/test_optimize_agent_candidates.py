@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("name", ["attention_gqa_pack", "attention_gqa_pack_kv_major"])
+@pytest.mark.parametrize("name", ["attention_gqa_pack_chunked"])
 def test_gqa_packed_prefill_passes_the_gate_and_zeroes_padding_rows(tmp_path, name):
     op = AttentionOp("tiny")
     run = evaluator.init_run(tmp_path / "run", "attention", "tiny", coefficients="uniform")
@@ -35,6 +35,15 @@ def test_gqa_packed_prefill_passes_the_gate_and_zeroes_padding_rows(tmp_path, na
     want, want_lse = root.prefill(q, k, v, cu, 19, True)
     checks.expect_bits("packed prefill", (got, got_lse[:, :24]), (want, want_lse[:, :24]))
     assert torch.equal(got[24:].view(torch.int16), torch.zeros(6, 2, 16, dtype=torch.int16))
+    # more position blocks than one chunk holds, and a last chunk part full: 11 blocks of 64
+    # (sequences of 700 and 130 rows, 10 padding rows), every program's rows the root's bits
+    q = torch.randn(840, 2, 16, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(840, 1, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 700, 830], dtype=torch.int32)
+    got, got_lse = impl.prefill(q, k, v, cu, 700, True)
+    want, want_lse = root.prefill(q, k, v, cu, 700, True)
+    checks.expect_bits("long packed prefill", (got, got_lse[:, :830]), (want, want_lse[:, :830]))
+    assert torch.equal(got[830:].view(torch.int16), torch.zeros(10, 2, 16, dtype=torch.int16))
 
 
 def test_the_agent_round_records_every_candidate(tmp_path):
@@ -62,4 +71,4 @@ def test_the_agent_round_records_every_candidate(tmp_path):
     actions = [n for n in names if "/actions/" in n]
     assert len(actions) == len(candidates)
     tar_action = json.loads(tarfile.open(tmp_path / "attention_run.tgz").extractfile(actions[0]).read())
-    assert tar_action["proposer"] == "agent" and tar_action["note"].startswith("attention_gqa_pack.py: Agent candidate")
+    assert tar_action["proposer"] == "agent" and tar_action["note"].startswith("attention_gqa_pack_chunked.py: Agent candidate")
