@@ -2,6 +2,7 @@
 audit -> promote -> status -> prompt, the mechanical proposer producing a run directory,
 and the attention contract deciding which knobs are free."""
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -91,6 +92,28 @@ def test_mechanical_proposer_end_to_end_writes_a_consistent_run(tmp_path):
     speeds = [a.t_incumbent / a.t_candidate for a in shown]
     buckets = [next(b[2] for b in prompt.BUCKETS if b[0] <= s < b[1]) for s in speeds]
     assert len(set(buckets)) == len(buckets)  # from distinct performance buckets
+
+
+def test_prompt_variants_say_where_they_won_and_lost():
+    """A variant in the prompt carries its audit's verdict, candidate/root per workload kind and
+    the workloads it lost (the H100's round 2: one order lost at batch 16, the other at batch 1)."""
+    from areal_tik.optimize.records import Audit
+
+    w = lambda name, cand, root: {"name": name, "coefficient": 1.0, "candidate_us": cand,
+                                  "incumbent_us": root, "root_us": root}
+    audit = Audit(id="a0006", candidate="c0004", incumbent="root", passed=True, promotable=False,
+                  reasons=["prefill.b16.4k: 1.057x the root's latency (cap 1.05x)"], checks={},
+                  workloads=[w("prefill.b1.4k", 92.0, 100.0), w("prefill.b16.4k", 105.7, 100.0),
+                             w("train.b1.4k+128", 91.0, 100.0), w("decode.b1.c128", 50.0, 50.0)],
+                  t_candidate=1.0, t_incumbent=1.0, t_root=1.0)
+    text = prompt.workload_evidence(audit)
+    assert "not promoted: prefill.b16.4k: 1.057x the root's latency (cap 1.05x)" in text
+    assert "prefill 0.920-1.057x; train 0.910-0.910x; decode 1.000-1.000x" in text
+    assert "slower than the root: prefill.b16.4k 1.057x" in text and "prefill.b1.4k 0.920x" not in text
+    promoted = dataclasses.replace(audit, promotable=True, reasons=[],
+                                   workloads=[w("prefill.b1.4k", 92.0, 100.0)])
+    assert "promotable" in prompt.workload_evidence(promoted) and "slower than the root: none" in \
+        prompt.workload_evidence(promoted)
 
 
 def test_attention_contract_passes_a_scheduling_knob_and_refuses_a_numerics_knob():

@@ -19,13 +19,30 @@ BUCKETS = ((0.0, 0.95, "slower"), (0.95, 1.0, "slightly slower"), (1.0, 1.05, "s
            (1.05, float("inf"), "faster"))
 
 
+def workload_evidence(audit) -> str:
+    """Where a variant won and lost, from its audit: the verdict (the cap's or the rule's
+    reasons when not promotable), the range of candidate/root latency per workload kind, and
+    every workload where the candidate was slower than the root. A search learns from which
+    shapes a change helps, not only from T."""
+    ratios = [(w["name"], w["candidate_us"] / w["root_us"]) for w in audit.workloads
+              if w.get("root_us") and w.get("candidate_us") is not None]
+    kinds: dict = {}
+    for name, r in ratios:
+        kinds.setdefault(name.split(".")[0], []).append(r)
+    ranges = "; ".join(f"{k} {min(v):.3f}-{max(v):.3f}x" for k, v in kinds.items())
+    slower = ", ".join(f"{n} {r:.3f}x" for n, r in ratios if r > 1.0) or "none"
+    verdict = "promotable" if audit.promotable else "not promoted: " + ("; ".join(audit.reasons) or "?")
+    return (f"  audit {audit.id}, {verdict}\n  candidate/root latency by kind: {ranges or 'n/a'}\n"
+            f"  slower than the root: {slower}")
+
+
 def _variant_text(run: RunDir, audit) -> str:
     cand = run.get("candidates", audit.candidate)
     speed = audit.t_incumbent / audit.t_candidate
     body = (f"config delta {json.dumps(cand.delta)} on {cand.parent}" if cand.kind != "source"
             else "source:\n```python\n" + run.source(cand.id) + "\n```")
     return (f"- {cand.id} ({cand.proposer}): T(incumbent)/T = {speed:.4f}, T(root)/T = "
-            f"{audit.t_root / audit.t_candidate:.4f}; {body}")
+            f"{audit.t_root / audit.t_candidate:.4f}\n{workload_evidence(audit)}\n  {body}")
 
 
 def sample_variants(run: RunDir, seed: int, k: int = 2) -> list:
