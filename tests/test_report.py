@@ -29,10 +29,10 @@ def step(i, reward, tokens, seconds):
 
 
 def write_run(root: Path, mode: str, steps: list[dict], recipe="r", seed=1, digest="d", decode=None,
-              compiled=(), asked=None, logprob=None) -> Path:
+              compiled=(), asked=None, logprob=None, gpu="cpu", date=None, commit="abc") -> Path:
     folder = root / recipe / mode
     folder.mkdir(parents=True)
-    metadata = {"commit": "abc", "gpu": "cpu", "kernel_set": mode}
+    metadata = {"commit": commit, "gpu": gpu, "kernel_set": mode, **({} if date is None else {"date": date})}
     if decode is not None:
         metadata["decode_attention"] = decode
     if compiled:
@@ -358,3 +358,56 @@ def test_a_mean_over_stock_runs_on_different_paths_says_so(tmp_path):
     shutil.copytree(tmp_path / "a", only_a / "a")
     assert main(report_args([only_a], tmp_path / "report_a", warmup=0)) == 0
     assert "These means mix" not in (tmp_path / "report_a" / "index.html").read_text()
+
+
+def test_latest_keeps_the_newest_comparable_pair_of_each_recipe_and_names_the_rest(tmp_path, capsys):
+    """``--latest`` over folders of several sessions: one row per recipe, its newest pair (by
+    the tik run's date); older pairs, a run without its partner and a pair whose configs differ
+    are left out with the reason; the end-to-end recipes with no pair are named; the GPU and
+    commit of each row are shown, and a note says when the means mix GPUs."""
+    steps = lambda seconds: [step(1, 0.5, 100, seconds)]  # noqa: E731
+    recipe = "basic_arithmetic_grpo_smollm2"
+    old, new, lone, odd = (tmp_path / f"session{i}" / "runs" for i in range(4))
+    write_run(old, "tik", steps(1.0), recipe=recipe, gpu="NVIDIA H200", date="2026-12-02T10:00:00+00:00")
+    write_run(old, "stock", steps(4.0), recipe=recipe, gpu="NVIDIA H200", date="2026-12-02T10:05:00+00:00")
+    write_run(new, "tik", steps(1.0), recipe=recipe, gpu="NVIDIA H100", date="2026-12-07T00:31:00+00:00", commit="new")
+    write_run(new, "stock", steps(2.0), recipe=recipe, gpu="NVIDIA H100", date="2026-12-07T00:36:00+00:00", commit="new")
+    write_run(lone, "tik", steps(1.0), recipe="gsm_symbolic_grpo_qwen3_0_6b", gpu="NVIDIA H200")
+    write_run(odd, "tik", steps(1.0), recipe="chain_sum_async_dapo_qwen3_1_7b", gpu="NVIDIA H200", digest="x")
+    write_run(odd, "stock", steps(3.0), recipe="chain_sum_async_dapo_qwen3_1_7b", gpu="NVIDIA H200", digest="y")
+    write_run(old, "tik", steps(1.0), recipe="basic_arithmetic_grpo_llama3_2_1b", gpu="NVIDIA H200")
+    write_run(old, "stock", steps(3.0), recipe="basic_arithmetic_grpo_llama3_2_1b", gpu="NVIDIA H200")
+    refusal = "two (tik|stock) runs of recipe basic_arithmetic_grpo_smollm2: .*; pass one of each mode per recipe, or --latest"
+    with pytest.raises(ValueError, match=refusal):
+        main(report_args([tmp_path], tmp_path / "plain", warmup=0))  # without --latest: refused
+    out = tmp_path / "report"
+    assert main(_latest_args(tmp_path, out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {r["recipe"]: r for r in summary["rows"]}
+    assert sorted(rows) == ["basic_arithmetic_grpo_llama3_2_1b", recipe]
+    assert rows[recipe]["throughput_whole"] == pytest.approx(2.0)  # the newest pair's, not 4.0
+    assert rows[recipe]["run"] == "NVIDIA H100, new"
+    assert rows["basic_arithmetic_grpo_llama3_2_1b"]["run"] == "NVIDIA H200, abc"
+    left = summary["left_out"]
+    assert len(left) == 3
+    assert any(str(old / recipe) in line and "an older pair" in line for line in left)
+    assert any("gsm_symbolic_grpo_qwen3_0_6b: only a tik run" in line for line in left)
+    assert any("chain_sum_async_dapo_qwen3_1_7b: not a comparable pair: different config" in line for line in left)
+    from areal_tik.adapter.recipes import END_TO_END
+    missing = summary["means"]["recipes_without_pair"]
+    assert missing == [n for n in END_TO_END if n not in rows] and len(missing) == len(END_TO_END) - 2
+    assert summary["means"]["gpus"] == ["NVIDIA H100", "NVIDIA H200"]
+    page = (out / "index.html").read_text()
+    assert "These means mix pairs measured on different GPUs (NVIDIA H100, NVIDIA H200)" in page
+    assert f"{len(missing)} of the end-to-end recipes have no pair here" in page
+    assert "<td>NVIDIA H100, new</td>" in page
+    printed = capsys.readouterr().out
+    assert printed.count("left out: ") == 3 and "no pair of: " in printed
+
+
+def _latest_args(runs, out):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([str(runs), "--out", str(out), "--warmup", "0", "--latest"])

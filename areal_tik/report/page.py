@@ -82,7 +82,8 @@ SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole"
                    ("throughput_process", "throughput tik/stock (whole process)"),
                    ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
                    ("audit", "audit"), ("stock_decode", "stock path (decode attention, compiled ops; training log-prob)"),
-                   ("reward_ratio_of_means", "reward ratio of the runs' mean rewards (+/- 1 s.e.)"))
+                   ("reward_ratio_of_means", "reward ratio of the runs' mean rewards (+/- 1 s.e.)"),
+                   ("run", "GPU, commit"))
 
 
 def _cell(key: str, row: dict) -> str:
@@ -120,6 +121,14 @@ def summary_html(rows: list[dict], means: dict) -> str:
              f"({html.escape(', '.join(paths))}; the decode attention, '+ torch.compile' where the "
              f"engine compiled its elementwise ops, and the trainer's log-prob): the stock baseline is not "
              f"the same in every row.</p>")
+    gpus = means.get("gpus", [])
+    if len(gpus) > 1:
+        mixed += (f"<p class='note'>These means mix pairs measured on different GPUs "
+                  f"({html.escape(', '.join(gpus))}): each ratio compares two runs on one machine.</p>")
+    if means.get("recipes_without_pair"):
+        missing = means["recipes_without_pair"]
+        mixed += (f"<p class='note'>{len(missing)} of the end-to-end recipes have no pair here (not yet run "
+                  f"in both modes): {html.escape(', '.join(missing))}.</p>")
     return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>{mixed}"
 
 

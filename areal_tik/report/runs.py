@@ -93,7 +93,7 @@ def pair_runs(runs: list[dict]) -> list[Pair]:
         modes = by_recipe.setdefault(run["recipe"], {})
         if run["mode"] in modes:
             raise ValueError(f"two {run['mode']} runs of recipe {run['recipe']}: {modes[run['mode']]['path']} "
-                             f"and {run['path']}; pass one of each mode per recipe")
+                             f"and {run['path']}; pass one of each mode per recipe, or --latest")
         modes[run["mode"]] = run
     pairs = []
     for recipe, modes in by_recipe.items():
@@ -106,6 +106,40 @@ def pair_runs(runs: list[dict]) -> list[Pair]:
         check_comparable(modes["tik"], modes["stock"])
         pairs.append(Pair(recipe, modes["tik"], modes["stock"]))
     return sorted(pairs, key=lambda p: p.recipe)
+
+
+def latest_pairs(runs: list[dict]) -> tuple[list[dict], list[str]]:
+    """The newest pair of each recipe among run files of several sessions: (the runs kept,
+    what was left out and why). Runs are grouped by their recipe folder (the parent of the
+    mode folder, as ``areal-tik run --out`` writes them); a group with both modes is a pair,
+    and of a recipe's comparable pairs the one whose tik run has the latest ``metadata.date``
+    stays. A group with one mode (a run whose partner never ran, or ran out of memory) or whose
+    two runs are not comparable (``check_comparable``) is left out, with the reason."""
+    groups: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        modes = groups.setdefault(str(Path(run["path"]).parent), {})
+        if run["mode"] in modes:  # a mode folder holds one run file
+            raise ValueError(f"two {run['mode']} runs under {Path(run['path']).parent}")
+        modes[run["mode"]] = run
+    newest: dict[str, tuple[str, str, dict]] = {}
+    left_out = []
+    for folder, modes in sorted(groups.items()):
+        if set(modes) != set(MODES):
+            left_out.append(f"{folder}: only a {'/'.join(sorted(modes))} run")
+            continue
+        try:
+            check_comparable(modes["tik"], modes["stock"])
+        except ValueError as e:
+            left_out.append(f"{folder}: {str(e).split(';')[0]}")
+            continue
+        recipe, date = modes["tik"]["recipe"], str(modes["tik"].get("metadata", {}).get("date") or "")
+        if recipe in newest and newest[recipe][0] >= date:
+            left_out.append(f"{folder}: an older pair of {recipe} than {newest[recipe][1]}")
+            continue
+        if recipe in newest:
+            left_out.append(f"{newest[recipe][1]}: an older pair of {recipe} than {folder}")
+        newest[recipe] = (date, folder, modes)
+    return [run for _, _, modes in newest.values() for run in modes.values()], left_out
 
 
 def tokens_per_second(steps: list[dict]) -> float:
@@ -196,16 +230,26 @@ def summary_row(pair: Pair, warmup: int) -> dict:
         "reward_ratio_steps": len(ratios), "reward_ratio_of_means": of_means,
         "reward_ratio_of_means_se": of_means_se, "real_weights": real_weights(pair.recipe),
         "audit": audit.get("verdict", "none"), "audited_tokens": audit.get("audited_tokens", 0),
-        "stock_decode": stock_decode(pair.stock),
+        "stock_decode": stock_decode(pair.stock), "run": run_label(pair),
     }
 
 
-def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
+def run_label(pair: Pair) -> str:
+    """Where the pair ran: the GPU and the commit (both runs' when they differ)."""
+    tik, stock = pair.tik.get("metadata", {}), pair.stock.get("metadata", {})
+    label = lambda key: (str(tik.get(key)) if tik.get(key) == stock.get(key)  # noqa: E731
+                         else f"tik {tik.get(key)} / stock {stock.get(key)}")
+    return f"{label('gpu')}, {label('commit')}"
+
+
+def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tuple[list[dict], dict]:
     """Rows per recipe and the means over recipes (NaN cells left out of the means;
     ``throughput_process_configurations``: how many rows that mean has;
     ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
     ``reward_ratio_real_configurations`` of them; ``stock_decode_paths``: the stock runs'
-    paths (``stock_decode``), more than one when the means mix baselines)."""
+    paths (``stock_decode``), more than one when the means mix baselines; ``gpus``: the GPUs
+    the pairs ran on, more than one when the means mix devices). With ``catalogue``:
+    ``recipes_without_pair``, the end-to-end recipes with no row (a report over all results)."""
     rows = [summary_row(p, warmup) for p in pairs]
     means = {key: _mean([r[key] for r in rows])
              for key in ("throughput_whole", "throughput_steady", "throughput_process", "reward_ratio_mean")}
@@ -215,4 +259,9 @@ def summary_table(pairs: list[Pair], warmup: int) -> tuple[list[dict], dict]:
     means["reward_ratio_real_configurations"] = len(real)
     # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
     means["stock_decode_paths"] = sorted({re.sub(r" \(.*?\)", "", r["stock_decode"]) for r in rows})
+    means["gpus"] = sorted({str(p.tik.get("metadata", {}).get("gpu")) for p in pairs})
+    if catalogue:
+        from areal_tik.adapter.recipes import END_TO_END
+
+        means["recipes_without_pair"] = [name for name in END_TO_END if name not in {r["recipe"] for r in rows}]
     return rows, {**means, "paper_throughput": PAPER_THROUGHPUT, "paper_reward": PAPER_REWARD}
