@@ -388,7 +388,7 @@ def test_latest_keeps_the_newest_comparable_pair_of_each_recipe_and_names_the_re
     assert rows[recipe]["throughput_whole"] == pytest.approx(2.0)  # the newest pair's, not 4.0
     assert rows[recipe]["run"] == "NVIDIA H100, new"
     assert rows["basic_arithmetic_grpo_llama3_2_1b"]["run"] == "NVIDIA H200, abc"
-    left = summary["left_out"]
+    left = summary["means"]["left_out"]
     assert len(left) == 3
     assert any(str(old / recipe) in line and "an older pair" in line for line in left)
     assert any("gsm_symbolic_grpo_qwen3_0_6b: only a tik run" in line for line in left)
@@ -399,7 +399,8 @@ def test_latest_keeps_the_newest_comparable_pair_of_each_recipe_and_names_the_re
     assert summary["means"]["gpus"] == ["NVIDIA H100", "NVIDIA H200"]
     page = (out / "index.html").read_text()
     assert "These means mix pairs measured on different GPUs (NVIDIA H100, NVIDIA H200)" in page
-    assert f"{len(missing)} of the end-to-end recipes have no pair here" in page
+    assert f"{len(missing)} of the end-to-end recipes have no comparable pair here" in page
+    assert page.count("<li class='note'>") == 3 and "only a tik run</li>" in page
     assert "<td>NVIDIA H100, new</td>" in page
     printed = capsys.readouterr().out
     assert printed.count("left out: ") == 3 and "no pair of: " in printed

@@ -127,8 +127,11 @@ def summary_html(rows: list[dict], means: dict) -> str:
                   f"({html.escape(', '.join(gpus))}): each ratio compares two runs on one machine.</p>")
     if means.get("recipes_without_pair"):
         missing = means["recipes_without_pair"]
-        mixed += (f"<p class='note'>{len(missing)} of the end-to-end recipes have no pair here (not yet run "
-                  f"in both modes): {html.escape(', '.join(missing))}.</p>")
+        mixed += (f"<p class='note'>{len(missing)} of the end-to-end recipes have no comparable pair here: "
+                  f"{html.escape(', '.join(missing))}.</p>")
+    if means.get("left_out"):
+        mixed += ("<p class='note'>Run files left out (the newest comparable pair of each recipe is kept):</p><ul>"
+                  + "".join(f"<li class='note'>{html.escape(line)}</li>" for line in means["left_out"]) + "</ul>")
     return f"<table id='summary'><tr>{head}</tr>{body}{mean}</table>{mixed}"
 
 
