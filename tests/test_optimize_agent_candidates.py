@@ -48,8 +48,9 @@ def test_gqa_packed_prefill_passes_the_gate_and_zeroes_padding_rows(tmp_path, na
 
 def test_the_agent_round_records_every_candidate(tmp_path):
     """eval/agent/round.sh on the interpreter's tiny grid: the run is initialised, the prompt
-    written, each candidate proposed as the agent's with its docstring's first paragraph as the
-    note, audited (it passes the gate), and the run directory, status and next prompt come back."""
+    written, each candidate proposed as the agent's (a source with its docstring's first
+    paragraph as the note, a .json config delta with its note), audited (it passes the gate),
+    and the run directory, status and next prompt come back."""
     import json
     import os
     import subprocess
@@ -59,16 +60,21 @@ def test_the_agent_round_records_every_candidate(tmp_path):
     proc = subprocess.run(["bash", "eval/agent/round.sh", str(tmp_path), "1"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    candidates = sorted((REPO / "eval" / "agent").glob("attention_*.py"))
+    candidates = sorted((REPO / "eval" / "agent").glob("attention_*.py")) + sorted(
+        (REPO / "eval" / "agent").glob("attention_*.json"))
     audits = sorted(tmp_path.glob("audit_*.json"))
-    assert len(audits) == len(candidates) >= 1
+    assert len(audits) == len(candidates) >= 2  # a source and config deltas
     assert all(json.loads(a.read_text())["passed"] for a in audits)
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["by_proposer"] == {"agent": len(candidates)}, status["by_proposer"]
     assert (tmp_path / "prompt_round_start.md").stat().st_size > 0 and (tmp_path / "prompt_next_round.md").exists()
     with tarfile.open(tmp_path / "attention_run.tgz") as tar:
-        names = tar.getnames()
-    actions = [n for n in names if "/actions/" in n]
-    assert len(actions) == len(candidates)
-    tar_action = json.loads(tarfile.open(tmp_path / "attention_run.tgz").extractfile(actions[0]).read())
-    assert tar_action["proposer"] == "agent" and tar_action["note"].startswith("attention_gqa_pack_chunked.py: Agent candidate")
+        actions = [json.loads(tar.extractfile(n).read()) for n in tar.getnames() if "/actions/" in n]
+        records = {n.rsplit("/", 1)[1]: json.loads(tar.extractfile(n).read())
+                   for n in tar.getnames() if "/candidates/" in n and n.endswith(".json")}
+    assert all(a["proposer"] == "agent" for a in actions)
+    assert sorted(a["note"].split(":")[0] for a in actions) == sorted(c.name for c in candidates)
+    assert all(a["note"].split(": ", 1)[1].startswith("Agent candidate") for a in actions)
+    # a .json candidate is recorded as a config delta on the incumbent
+    deltas = [r["delta"] for r in records.values() if r.get("kind") == "config"]
+    assert {"prefill_pack_heads": 2, "prefill_order_chunk": 8} in deltas

@@ -127,6 +127,26 @@ def test_attention_contract_passes_a_scheduling_knob_and_refuses_a_numerics_knob
         dict(op.contract(torch.device("cpu")))["root_bits"](tile, root)
 
 
+def test_attention_moves_reach_the_packed_heads_and_the_chunked_order():
+    """The knobs the agent's rounds found (two heads of a KV group per prefill program; the
+    chunked launch order) are moves of the mechanical search; they touch prefill and training
+    workloads only."""
+    op = evaluator.make_op("attention", "h200")
+    root = op.root_config()
+    moves = op.moves(root)
+    assert {"prefill_pack_heads": 2} in moves and {"prefill_order_chunk": 8} in moves
+    assert {"prefill_pack_heads": 0} not in moves and not any(m.get("prefill_order_chunk") == 0 for m in moves)
+    at_8 = op.moves({**root, "prefill_order_chunk": 8})
+    assert {"prefill_order_chunk": 16} in at_8 and {"prefill_order_chunk": 4} in at_8
+    assert {"prefill_order_chunk": 0} in op.moves({**root, "prefill_order_chunk": 1})
+    # packing more heads than the program has sub-tiles is refused by the config, so not a move
+    assert {"prefill_pack_heads": 4} not in op.moves({**root, "prefill_pack_heads": 2})
+    workloads = {w.kind: w for w in op.workloads("h200")}
+    delta = {"prefill_pack_heads": 2, "prefill_order_chunk": 8}
+    assert op.affects(delta, workloads["prefill"]) and op.affects(delta, workloads["train"])
+    assert not op.affects(delta, workloads["decode"])
+
+
 def test_the_attention_grid_is_the_48_workloads():
     ws = evaluator.make_op("attention", "h200").workloads("h200")
     assert len(ws) == 48 and len({w.name for w in ws}) == 48

@@ -4,7 +4,8 @@ Config: the fields of ``_attention_fwd.FwdConfig``; the root is the kernel's def
 (``attention_config()``). A config impl launches the kernels' own launchers with the
 config explicitly (``launch_prefill``; ``attention_decode(config=...)``), so no kernel
 file is touched. Moves change one knob by one step (stages +-1, sub-tiles x2 / /2, the
-unmasked loop, kv_split x2 / /2, warps, tile rows/cols); which of them keep the bits is
+unmasked loop, kv_split x2 / /2, warps, tile rows/cols, query heads per prefill program x2 /
+/2, the prefill launch order: default -> chunks of 8 -> x2 / /2); which of them keep the bits is
 for the contract suite to say: the kernel's documentation says block_m, block_n,
 num_warps and kv_split fix the numerics, and the gate is expected to refuse them.
 
@@ -173,10 +174,17 @@ class AttentionOp(Op):
                  ("unmasked_loop", not c["unmasked_loop"]),
                  ("kv_split", c["kv_split"] * 2), ("kv_split", c["kv_split"] // 2),
                  ("num_warps", c["num_warps"] * 2), ("block_m", c["block_m"] * 2),
-                 ("block_n", c["block_n"] // 2)]
+                 ("block_n", c["block_n"] // 2),
+                 ("prefill_pack_heads", c["prefill_pack_heads"] * 2),
+                 ("prefill_pack_heads", c["prefill_pack_heads"] // 2)]
+        # the launch order: from the default (0) to chunks of 8 position blocks, then x2 / /2
+        # (down to 1; from 1 back to the default)
+        chunk = c["prefill_order_chunk"]
+        steps += [("prefill_order_chunk", v) for v in ((8,) if chunk == 0 else (chunk * 2, chunk // 2))]
         moves = []
         for field, value in steps:
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            least = 0 if field == "prefill_order_chunk" else 1  # chunk 0: the default launch order
+            if isinstance(value, int) and not isinstance(value, bool) and value < least:
                 continue
             try:
                 self.normalise({**c, field: value})
@@ -196,7 +204,7 @@ class AttentionOp(Op):
             return False
         if set(delta) <= {"stages_decode"}:
             return w.kind == "decode"
-        if set(delta) <= {"stages_prefill", "prefill_subtiles"}:
+        if set(delta) <= {"stages_prefill", "prefill_subtiles", "prefill_pack_heads", "prefill_order_chunk"}:
             return w.kind != "decode"
         return True
 

@@ -77,6 +77,18 @@ class FwdConfig:
     # either way: the mask selects s everywhere there; tests check it).
     unmasked_loop: bool = True
     prefill_subtiles: int = 1
+    # Query heads of one KV group per prefill program (GQA): its block_m x prefill_subtiles
+    # rows are prefill_pack_heads heads at the same positions instead of one head at more
+    # positions, so all its rows stop at the same KV tile and share each K/V tile. A
+    # divisor of prefill_subtiles: every warp still owns rows of one head. Launches whose
+    # group size it does not divide, and fp32 (one sub-tile), run one head per program.
+    prefill_pack_heads: int = 1
+    # Launch order of prefill programs: 0 = heads (or head packs) fastest, then sequences,
+    # position blocks longest first; c > 0 = a one-dimensional grid in chunks of c position
+    # blocks, chunks longest first, the blocks of one (sequence, head pack) adjacent inside
+    # a chunk (programs reading the same K/V prefix run together). Order changes when a
+    # program runs, never what it computes.
+    prefill_order_chunk: int = 0
 
     def __post_init__(self):
         tiles = self.kv_split // self.block_n
@@ -85,6 +97,11 @@ class FwdConfig:
         sub = self.prefill_subtiles
         if sub < 1 or sub & (sub - 1):
             raise ValueError(f"prefill_subtiles must be a power of two >= 1, got {self}")
+        pack = self.prefill_pack_heads
+        if pack < 1 or pack & (pack - 1) or sub % pack:
+            raise ValueError(f"prefill_pack_heads must be a power of two dividing prefill_subtiles, got {self}")
+        if self.prefill_order_chunk < 0:
+            raise ValueError(f"prefill_order_chunk must be >= 0, got {self}")
         # Paged prefill programs start on row blocks aligned to the splits (see the kernel):
         # a program wider than a split walks a fully masked split (wrong bits, found by a
         # search), so every path refuses such a config here, once.
@@ -284,7 +301,7 @@ def _finalize(O, L):
 # Integers that follow the packing (sequence and token counts, the LSE row stride = T, the
 # block-table width) stay out of Triton's key: one compilation serves every packing. They
 # only bound loops and offset addresses; the arithmetic on values is the same.
-@triton.jit(do_not_specialize=["num_seqs", "num_rows", "stride_lse_h", "stride_tb"])
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "n_blocks", "stride_lse_h", "stride_tb"])
 def _prefill_fwd_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr, v_ptr,  # [T, Hk, D]
@@ -294,11 +311,13 @@ def _prefill_fwd_kernel(
     table_ptr,  # [S, max_blocks] int32 block ids (PAGED)
     start_ptr,  # [S] int32 position of each sequence's first query row (PAGED)
     qk_scale, num_q_heads, group, num_seqs, num_rows, block_size,
+    n_blocks,  # position blocks per (sequence, head pack): the grid's second dimension or its chunks' span
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lse_h, stride_kb, stride_vb, stride_tb,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr, STORE_LSE: tl.constexpr,
     PAGED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    PACK_H: tl.constexpr, CHUNK: tl.constexpr,
 ):
     # Grid (Hq * (S + 1), cdiv(max_seqlen, BLOCK_M)): heads vary fastest so GQA siblings
     # share K/V in L2, and the M tiles run longest-first (causal work grows with the tile
@@ -309,42 +328,68 @@ def _prefill_fwd_kernel(
     # The walk is the same: tiles 0, 1, ... anchored at position 0, splits folded in
     # order, so a row's bits do not depend on where its chunk starts. The start is a
     # runtime value: one compilation serves every offset.
-    head = tl.program_id(0) % num_q_heads
-    seq = tl.program_id(0) // num_q_heads
-    tile_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    # PACK_H > 1: a program's BLOCK_M rows are PACK_H heads of one KV group (head pack
+    # `unit`) at the same POS_M positions; CHUNK > 0: the chunked one-dimensional order
+    # (FwdConfig.prefill_order_chunk). PACK_H = 1, CHUNK = 0 is the launch described above.
+    POS_M: tl.constexpr = BLOCK_M // PACK_H
+    units = num_q_heads // PACK_H
+    if CHUNK == 0:
+        blocks = tl.num_programs(1)
+        unit = tl.program_id(0) % units
+        seq = tl.program_id(0) // units
+        tile_m = blocks - 1 - tl.program_id(1)
+    else:
+        blocks = n_blocks
+        span = CHUNK * units * (num_seqs + 1)
+        chunk = tl.program_id(0) // span
+        rest = tl.program_id(0) - chunk * span
+        width = tl.minimum(CHUNK, n_blocks - chunk * CHUNK)  # < CHUNK in the last chunk only
+        unit = (rest // width) % units
+        seq = (rest // width) // units
+        tile_m = n_blocks - 1 - (chunk * CHUNK + rest % width)
+    if PACK_H == 1:
+        offs = tl.arange(0, BLOCK_M)
+        head = unit
+        o_head = head * stride_oh
+        q_head = head * stride_qh
+    else:
+        offs = tl.arange(0, BLOCK_M) % POS_M
+        head = unit * PACK_H + tl.arange(0, BLOCK_M) // POS_M  # per row
+        o_head = head[:, None] * stride_oh
+        q_head = head[:, None] * stride_qh
     d = tl.arange(0, HEAD_DIM)
     if seq == num_seqs:
-        step = tl.num_programs(1) * BLOCK_M
-        for r0 in range(tl.load(cu_ptr + num_seqs) + tile_m * BLOCK_M, num_rows, step):
-            pad = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-            tl.store(out_ptr + pad[:, None] * stride_ot + head * stride_oh + d[None, :],
+        step = blocks * POS_M
+        for r0 in range(tl.load(cu_ptr + num_seqs) + tile_m * POS_M, num_rows, step):
+            pad = (r0 + offs).to(tl.int64)
+            tl.store(out_ptr + pad[:, None] * stride_ot + o_head + d[None, :],
                      tl.zeros([BLOCK_M, HEAD_DIM], out_ptr.dtype.element_ty),
                      mask=(pad < num_rows)[:, None])
         return
     start = tl.load(cu_ptr + seq)
     seqlen = tl.load(cu_ptr + seq + 1) - start
-    kvh = (head // group).to(tl.int64)
+    kvh = ((unit * PACK_H) // group).to(tl.int64)
     if PAGED:
-        # Programs cover position blocks aligned to BLOCK_M (which divides the split size),
+        # Programs cover position blocks aligned to POS_M (which divides the split size),
         # not chunk-relative ones: then the last split a program walks starts at or before
         # its first row, so every split holds an unmasked position for every row (a fully
         # masked split would give m = -inf and NaN, not the no-op of an empty split). The
-        # grid has one program more than cdiv(max_seqlen, BLOCK_M) for the unaligned start.
+        # grid has one program more than cdiv(max_seqlen, POS_M) for the unaligned start.
         ctx0 = tl.load(start_ptr + seq)  # position of query row 0
-        p0 = (ctx0 // BLOCK_M + tile_m) * BLOCK_M
+        p0 = (ctx0 // POS_M + tile_m) * POS_M
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
         table = table_ptr + seq.to(tl.int64) * stride_tb
     else:
         ctx0 = 0
-        p0 = tile_m * BLOCK_M
+        p0 = tile_m * POS_M
         k_base = k_ptr + start.to(tl.int64) * stride_kt + kvh * stride_kh
         v_base = v_ptr + start.to(tl.int64) * stride_vt + kvh * stride_vh
         table = cu_ptr  # unused
     n_ctx = ctx0 + seqlen  # K/V positions [0, n_ctx) hold this sequence's keys
     if p0 >= n_ctx:
         return
-    pos = p0 + tl.arange(0, BLOCK_M)  # positions of this program's rows
+    pos = p0 + offs  # positions of this program's rows
     rows = pos - ctx0  # query-row index inside the sequence
     if PAGED:
         row_ok = (rows >= 0) & (rows < seqlen)
@@ -353,9 +398,9 @@ def _prefill_fwd_kernel(
         row_ok = rows < seqlen
         limit = tl.minimum(rows + 1, seqlen)
     row_t = (start + rows).to(tl.int64)
-    q = tl.load(q_ptr + row_t[:, None] * stride_qt + head * stride_qh + d[None, :],
+    q = tl.load(q_ptr + row_t[:, None] * stride_qt + q_head + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    n_tiles = tl.cdiv(tl.minimum(p0 + BLOCK_M, n_ctx), BLOCK_N)
+    n_tiles = tl.cdiv(tl.minimum(p0 + POS_M, n_ctx), BLOCK_N)
     tile_full = (p0 + 1) // BLOCK_N  # tiles below this one are whole for every row here
     M = tl.full([BLOCK_M], float("-inf"), tl.float32)
     L = tl.zeros([BLOCK_M], tl.float32)
@@ -380,7 +425,7 @@ def _prefill_fwd_kernel(
                                 DOT_FP32, PRECISION)
         M, L, O = _merge(M, L, O, m, l, acc)
     out = cast_rne(_finalize(O, L), out_ptr.dtype.element_ty, DOT_FP32)
-    tl.store(out_ptr + row_t[:, None] * stride_ot + head * stride_oh + d[None, :], out,
+    tl.store(out_ptr + row_t[:, None] * stride_ot + o_head + d[None, :], out,
              mask=row_ok[:, None])
     if STORE_LSE:
         tl.store(lse_ptr + head * stride_lse_h + start + rows, M + tl.math.log2(L), mask=row_ok)
@@ -504,6 +549,16 @@ def prefill_tiling(config: FwdConfig, dtype: torch.dtype) -> tuple[int, int]:
     return config.block_m * sub, config.num_warps * sub
 
 
+def prefill_packing(config: FwdConfig, dtype: torch.dtype, hq: int, hk: int) -> tuple[int, int]:
+    """(query heads per prefill program, launch-order chunk) of a launch: the config's head
+    pack where it divides the GQA group and the program has that many sub-tiles (fp32 runs
+    one sub-tile), else 1; the chunk as configured (0: the default order)."""
+    pack = config.prefill_pack_heads
+    if dtype == torch.float32 or (hq // hk) % pack:
+        pack = 1
+    return pack, config.prefill_order_chunk
+
+
 def launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax_scale,
                    config: FwdConfig):
     """Causal varlen forward into ``out`` [T, Hq, D] (rows past the last sequence get
@@ -536,17 +591,21 @@ def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax
         stride_kb, stride_kp, stride_kh = k.stride(0), k.stride(1), k.stride(2)
         stride_vb, stride_vp, stride_vh = v.stride(0), v.stride(1), v.stride(2)
     hk = k.shape[-2]
-    programs = max(1, cdiv(max_seqlen, block_m)) + (paged is not None)
-    _prefill_fwd_kernel[(hq * (num_seqs + 1), programs)](
+    pack, chunk = prefill_packing(config, q.dtype, hq, hk)
+    positions = block_m // pack
+    blocks = max(1, cdiv(max_seqlen, positions)) + (paged is not None)
+    units = hq // pack * (num_seqs + 1)
+    grid = (units, blocks) if chunk == 0 else (blocks * units,)
+    _prefill_fwd_kernel[grid](
         q, k, v, out, lse if store_lse else out, cu_seqlens, table, starts,
-        softmax_scale * LOG2E, hq, hq // hk, num_seqs, T, block_size,
+        softmax_scale * LOG2E, hq, hq // hk, num_seqs, T, block_size, blocks,
         q.stride(0), q.stride(1), stride_kp, stride_kh, stride_vp, stride_vh,
         out.stride(0), out.stride(1), lse.stride(0) if store_lse else 0,
         stride_kb, stride_vb, stride_tb,
         HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=config.block_n,
         TILES_PER_SPLIT=config.kv_split // config.block_n, UNMASKED_LOOP=config.unmasked_loop,
         STORE_LSE=store_lse, PAGED=paged is not None,
-        DOT_FP32=EMULATE, PRECISION=_precision(q.dtype),
+        DOT_FP32=EMULATE, PRECISION=_precision(q.dtype), PACK_H=pack, CHUNK=chunk,
         num_warps=warps, num_stages=config.stages_prefill, enable_fp_fusion=False,
     )
 

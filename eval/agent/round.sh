@@ -2,9 +2,10 @@
 # One round of the agent-driven attention search (issue 15) in one device call:
 #   bash eval/agent/round.sh OUT_DIR [ROUNDS]
 # A new run on the H200 grid (48 workloads; the root's latencies measured at init), the
-# contrastive prompt as the round starts, then every candidate eval/agent/attention_*.py
-# proposed as the agent's (its module docstring is the note: the hypothesis and the predicted
-# gain, written before any timing), audited (gate + paired timing, ROUNDS rounds) and promoted
+# contrastive prompt as the round starts, then every candidate proposed as the agent's:
+# eval/agent/attention_*.py, a source (its module docstring is the note: the hypothesis and the
+# predicted gain, written before any timing), and eval/agent/attention_*.json, a config delta on
+# the kernel's knobs ({"note": ..., "delta": {...}}), audited (gate + paired timing, ROUNDS rounds) and promoted
 # when the audit allows it; the status, the prompt for the next round and the run directory
 # (records, every attempt) come back under OUT_DIR. A kernel default changes only afterwards,
 # by hand, citing a promoted audit.
@@ -17,9 +18,16 @@ tik() { python3 -m areal_tik.cli optimize "$@"; }
 # AGENT_GRID=tiny AGENT_DEVICE=cpu: the same round on the Triton interpreter (the CPU test)
 tik init --run "$RUN" --op attention --grid "${AGENT_GRID:-h200}" --device "${AGENT_DEVICE:-cuda}" || exit 1
 tik prompt --run "$RUN" --out "$OUT/prompt_round_start.md"
-for src in eval/agent/attention_*.py; do
-  note=$(python3 -c "import ast,sys; print(ast.get_docstring(ast.parse(open(sys.argv[1]).read())).split(chr(10)*2)[0])" "$src")
-  cand=$(tik propose --run "$RUN" --source "$src" --proposer agent --note "$(basename "$src"): $note" | tail -n 1)
+for src in eval/agent/attention_*.py eval/agent/attention_*.json; do
+  [ -e "$src" ] || continue
+  if [ "${src##*.}" = py ]; then
+    note=$(python3 -c "import ast,sys; print(ast.get_docstring(ast.parse(open(sys.argv[1]).read())).split(chr(10)*2)[0])" "$src")
+    cand=$(tik propose --run "$RUN" --source "$src" --proposer agent --note "$(basename "$src"): $note" | tail -n 1)
+  else  # {"note": hypothesis and prediction, "delta": a config delta on the incumbent}
+    note=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['note'])" "$src")
+    delta=$(python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['delta']))" "$src")
+    cand=$(tik propose --run "$RUN" --delta "$delta" --proposer agent --note "$(basename "$src"): $note" | tail -n 1)
+  fi
   echo "== $src -> $cand"
   tik audit --run "$RUN" --rounds "$ROUNDS" "$cand" | tee "$OUT/audit_$cand.json"
   audit=$(python3 -c "import json,sys; a=json.load(open(sys.argv[1])); print(a['audit'] if a['promotable'] else '')" \
