@@ -78,3 +78,20 @@ def test_the_agent_round_records_every_candidate(tmp_path):
     # a .json candidate is recorded as a config delta on the incumbent
     deltas = [r["delta"] for r in records.values() if r.get("kind") == "config"]
     assert {"prefill_pack_heads": 2, "prefill_order_chunk": 8} in deltas
+
+
+def test_a_config_delta_needs_a_config_parent(tmp_path):
+    """A source candidate has no config to move (its code is the change): a delta on it is
+    refused, naming --parent; the same delta on the root is recorded (round.sh proposes its
+    .json candidates on the root, since a source may have been promoted earlier in the round)."""
+    from areal_tik.optimize.records import RunError
+
+    op = AttentionOp("tiny")
+    run = evaluator.init_run(tmp_path / "run", "attention", "tiny", coefficients="uniform")
+    source = evaluator.propose(run, op, source_path=REPO / "eval" / "agent" / "attention_gqa_pack_chunked.py",
+                               proposer="agent")
+    delta = {"prefill_pack_heads": 2, "prefill_order_chunk": 4}
+    with pytest.raises(RunError, match=f"needs a config parent, and {source.id} is a source candidate.*--parent"):
+        evaluator.propose(run, op, delta=delta, parent=source.id)
+    cand = evaluator.propose(run, op, delta=delta, parent="root")
+    assert cand.kind == "config" and cand.config["prefill_order_chunk"] == 4 and cand.parent == "root"

@@ -148,6 +148,10 @@ def propose(run: RunDir, op, *, delta: dict | None = None, source_path=None, par
         if delta is not None:
             if not isinstance(delta, dict) or not delta:
                 raise ValueError(f"delta must be a non-empty dict of config fields, got {delta!r}")
+            if base.kind == "source":  # its code, not a config, is what it changed
+                raise RunError(f"a config delta needs a config parent, and {parent} is a source candidate"
+                               + (" (the incumbent)" if parent == state.best else "")
+                               + "; name one with --parent (root, or a config candidate)")
             config = op.apply(base.config, delta)
             for other in run.all("candidates") if check_duplicates else ():
                 if other.kind != "source" and other.config == config:

@@ -18,17 +18,21 @@ tik() { python3 -m areal_tik.cli optimize "$@"; }
 # AGENT_GRID=tiny AGENT_DEVICE=cpu: the same round on the Triton interpreter (the CPU test)
 tik init --run "$RUN" --op attention --grid "${AGENT_GRID:-h200}" --device "${AGENT_DEVICE:-cuda}" || exit 1
 tik prompt --run "$RUN" --out "$OUT/prompt_round_start.md"
+failed=0
 for src in eval/agent/attention_*.py eval/agent/attention_*.json; do
   [ -e "$src" ] || continue
   if [ "${src##*.}" = py ]; then
     note=$(python3 -c "import ast,sys; print(ast.get_docstring(ast.parse(open(sys.argv[1]).read())).split(chr(10)*2)[0])" "$src")
     cand=$(tik propose --run "$RUN" --source "$src" --proposer agent --note "$(basename "$src"): $note" | tail -n 1)
-  else  # {"note": hypothesis and prediction, "delta": a config delta on the incumbent}
+  else  # {"note": hypothesis and prediction, "delta": a config delta on the root's knobs}
     note=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['note'])" "$src")
     delta=$(python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['delta']))" "$src")
-    cand=$(tik propose --run "$RUN" --delta "$delta" --proposer agent --note "$(basename "$src"): $note" | tail -n 1)
+    # on the root, not the incumbent: an incumbent promoted earlier in the round may be a source
+    cand=$(tik propose --run "$RUN" --delta "$delta" --parent root --proposer agent \
+           --note "$(basename "$src"): $note" | tail -n 1)
   fi
   echo "== $src -> $cand"
+  if [ -z "$cand" ]; then failed=$((failed + 1)); continue; fi
   tik audit --run "$RUN" --rounds "$ROUNDS" "$cand" | tee "$OUT/audit_$cand.json"
   audit=$(python3 -c "import json,sys; a=json.load(open(sys.argv[1])); print(a['audit'] if a['promotable'] else '')" \
           "$OUT/audit_$cand.json")
@@ -38,3 +42,4 @@ tik status --run "$RUN" --json > "$OUT/status.json"
 tik status --run "$RUN"
 tik prompt --run "$RUN" --out "$OUT/prompt_next_round.md"
 tar czf "$OUT/attention_run.tgz" -C "$OUT" attention_run && rm -rf "$RUN"
+[ "$failed" -eq 0 ] || { echo "round.sh: $failed candidate(s) could not be proposed (above)" >&2; exit 1; }
