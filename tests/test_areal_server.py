@@ -364,3 +364,60 @@ def test_backend_refuses_what_the_server_cannot_do():
         backend.parse_generation_response({"meta_info": {
             "output_token_logprobs": [[-1.0, 3, None]], "output_token_versions": [],
             "finish_reason": {"type": "stop"}}})
+
+
+def test_a_server_whose_engine_broke_refuses_requests_and_ends():
+    """An engine whose step loop stopped on an error refuses every request (503, naming the
+    error); AReaL's rollout loop would retry such refusals for ever, so the server stops
+    (serve_until returns True: ``areal-tik serve`` exits with code 1)."""
+    from areal_tik.adapter.server import serve_until
+
+    llm = make_llm()
+    server = TikServer(llm)
+    stop = threading.Event()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(serve_until(server, stop, poll_s=0.05)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while server.port == 0 and time.monotonic() < deadline:  # bound: start() has returned
+            time.sleep(0.01)
+        url = f"http://{server.address}"
+        assert post(url, "/generate", gen_payload(PROMPTS[0])).status_code == 200  # serving
+        assert not server.broken.is_set()
+        llm.loop.error = RuntimeError("CUDA error: an illegal memory access was encountered")  # as a step would
+        r = post(url, "/generate", gen_payload(PROMPTS[1]))
+        assert r.status_code == 503 and "the engine is broken" in r.text and "illegal memory access" in r.text
+        thread.join(TIMEOUT)
+        assert result == [True] and server.broken_reason.startswith("RuntimeError: CUDA error")
+    finally:
+        stop.set()
+        thread.join(TIMEOUT)
+        llm.loop.error = None
+        llm.close()
+
+
+def test_the_trainers_watch_reacts_to_a_server_that_died_not_to_one_stopped():
+    import subprocess
+    import sys
+
+    from areal_tik.adapter.client import watch_servers
+
+    def spawn(code: int, after_s: float):
+        return subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep({after_s}); sys.exit({code})"])
+
+    deaths, stopping = [], [False]
+    procs = [spawn(0, 0.0), spawn(0, 30)]  # one ends cleanly (code 0), one keeps running
+    watch = watch_servers(procs, lambda: stopping[0], deaths.append, poll_s=0.05)
+    time.sleep(0.5)
+    assert deaths == []
+    dying = spawn(3, 0.2)
+    procs.append(dying)  # a server launched later is watched too
+    watch.join(TIMEOUT)
+    assert deaths == [dying] and dying.returncode == 3
+    # while the engine stops its servers (destroy), an exit is not a death
+    stopping[0] = True
+    quiet = watch_servers([spawn(5, 0.0)], lambda: stopping[0], deaths.append, poll_s=0.05)
+    quiet.join(TIMEOUT)
+    assert deaths == [dying]
+    procs[1].kill()

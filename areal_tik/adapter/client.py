@@ -14,10 +14,12 @@ so reuse of rollout log-probs stays exact.
 """
 from __future__ import annotations
 
+import _thread
 import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from areal.infra.utils.http import arequest_with_retry
 
 from . import exactness, sampling
 from .inference import TrainerFacingEngine, new_token_budget
+from .log import logger
 
 
 @dataclass
@@ -147,6 +150,35 @@ class TikServerBackend:
         return subprocess.Popen(cmd)
 
 
+def watch_servers(procs: list, stopping, on_death, poll_s: float = 1.0) -> threading.Thread:
+    """A daemon thread that calls ``on_death(proc)`` once, for the first process in ``procs``
+    (a list that may grow) that ends with a non-zero code while ``stopping()`` is false.
+
+    AReaL's rollout loop logs a failed request and waits for more rollouts, so a trainer
+    whose server has died waits for ever; its engine stops the trainer instead."""
+    def run() -> None:
+        while True:
+            time.sleep(poll_s)
+            if stopping():
+                return
+            for proc in list(procs):
+                code = proc.poll()
+                if code not in (None, 0):
+                    on_death(proc)
+                    return
+
+    thread = threading.Thread(target=run, name="areal-tik-server-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stop_the_trainer(proc) -> None:
+    logger.error("the areal-tik server (pid %d) ended with code %s: its log says why (an engine that broke "
+                 "ends its server); stopping the trainer, which would otherwise wait for its rollouts for ever",
+                 proc.pid, proc.returncode)
+    _thread.interrupt_main()
+
+
 class TikRemoteInfEngine(TrainerFacingEngine):
     """``RemoteInfEngine`` whose responses carry the server's per-token weight versions.
 
@@ -159,6 +191,8 @@ class TikRemoteInfEngine(TrainerFacingEngine):
     def __init__(self, config, backend: TikServerBackend | None = None):
         super().__init__(config, backend or TikServerBackend())
         self.own_servers: list[subprocess.Popen] = []
+        self._stopping = False
+        self._watch: threading.Thread | None = None
 
     def launch_local_server(self, server_args: dict[str, Any]) -> str:
         """Start one areal-tik server on a free local port; returns its 'host:port'
@@ -167,6 +201,8 @@ class TikRemoteInfEngine(TrainerFacingEngine):
 
         port = find_free_ports(1)[0]
         self.own_servers.append(self.backend.launch_server({**server_args, "host": "127.0.0.1", "port": port}))
+        if self._watch is None:
+            self._watch = watch_servers(self.own_servers, lambda: self._stopping, _stop_the_trainer)
         return f"127.0.0.1:{port}"
 
     def server_health(self, timeout: float = 30.0) -> dict[str, dict]:
@@ -189,6 +225,7 @@ class TikRemoteInfEngine(TrainerFacingEngine):
         return {addr: health.get("k_groups") for addr, health in self.server_health(timeout).items()}
 
     def destroy(self):
+        self._stopping = True  # the servers are about to end: not a death to react to
         try:
             super().destroy()
         finally:

@@ -52,5 +52,8 @@ def main(args) -> int:
     if config.tensor_parallel_size > 1:  # t processes, one per rank (server_tp)
         return server_tp.serve(args, config.tensor_parallel_size, stop)
     with build_llm(args) as llm:
-        serve_until(TikServer(llm, args.host, args.port), stop)
+        server = TikServer(llm, args.host, args.port)
+        if serve_until(server, stop):
+            logger.error("areal-tik serve: exiting with an error: the engine broke (%s)", server.broken_reason)
+            return 1
     return 0

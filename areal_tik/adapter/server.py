@@ -29,6 +29,12 @@ Endpoints (JSON bodies; errors are ``{"error": message}`` with a 4xx/5xx status)
   fields are rank 0's, see ``LLM.vocab_parallel_stats``), ``GET /get_weight_version``
   (``{"weight_version": int}``).
 
+An engine whose step loop stops on an error (a CUDA fault, running out of memory) refuses
+every later request with 503; since AReaL's rollout loop logs failed requests and waits for
+more rollouts, the server then ends (``areal-tik serve`` exits with code 1, naming the
+error), and the trainer's ``TikRemoteInfEngine``, which watches the servers it launched,
+stops the trainer rather than letting it wait for ever.
+
 ``areal-tik serve --model <path> --port N`` serves a checkpoint; the engine flags are
 generated from ``EngineConfig`` (``areal-tik serve --help``). With
 ``--tensor-parallel-size t`` (t > 1) it runs as t processes, one per rank, rank 0 serving
@@ -87,6 +93,18 @@ class TikServer:
         self._groups: dict = {}          # group_name -> process group (weight updates)
         self._staged: dict = {}          # name -> tensor received for the pending update ...
         self._staged_version = None      # ... of this weight_version
+        # Set once the engine's step loop has stopped on an error: every later request would
+        # be refused, and AReaL's rollout loop retries refused requests for ever, so the
+        # process ends instead (serve_until) and the trainer that launched it sees the exit.
+        self.broken = threading.Event()
+        self.broken_reason = ""
+
+    def _check_broken(self) -> None:
+        error = getattr(self.llm, "error", None)
+        if error is not None and not self.broken.is_set():
+            self.broken_reason = f"{type(error).__name__}: {error}"
+            logger.error("the engine's step loop stopped on %s; the server stops", self.broken_reason)
+            self.broken.set()
 
     # ------------------------------------------------------------------ app
 
@@ -130,7 +148,8 @@ class TikServer:
             future = self.llm.submit(ids, params)   # validates: ValueError/TypeError name the value
         except (BadRequest, ValueError, TypeError) as exc:
             return _error(400, str(exc))
-        except RuntimeError as exc:  # engine closed
+        except RuntimeError as exc:  # engine closed, or broken by an earlier step
+            self._check_broken()
             return _error(503, str(exc))
         try:
             out = await asyncio.wrap_future(future)
@@ -139,6 +158,7 @@ class TikServer:
             raise
         except Exception as exc:  # the engine step failed
             logger.exception("generation failed")
+            self._check_broken()
             return _error(500, f"generation failed: {exc}")
         meta = {
             "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(out.logprobs, out.token_ids)],
@@ -429,13 +449,17 @@ def build_llm(args, device: str | None = None, tensor_parallel=None):
     return LLM(model, config, tensor_parallel=tensor_parallel)
 
 
-def serve_until(server: TikServer, stop: threading.Event, note: str = "") -> None:
-    """Start ``server``, serve until ``stop`` is set (or Ctrl-C), then stop serving."""
+def serve_until(server: TikServer, stop: threading.Event, note: str = "", poll_s: float = 0.5) -> bool:
+    """Start ``server``, serve until ``stop`` is set (or Ctrl-C) or its engine breaks, then
+    stop serving; True when the engine broke (the process should end with an error)."""
     server.start()
     logger.info("serving on http://%s%s", server.address, note)
     try:
-        stop.wait()
+        while not stop.wait(poll_s):
+            if server.broken.is_set():
+                return True
+        return False
     except KeyboardInterrupt:
-        pass
+        return False
     finally:
         server.stop()

@@ -335,8 +335,12 @@ def serve(args, size: int, stop: threading.Event) -> int:
         links.close()
         raise
     llm = ForwardingLLM(engines[0], links)
+    server = TPServer(llm, args.host, args.port)
     try:
-        serve_until(TPServer(llm, args.host, args.port), stop, f" (tensor parallel, {size} ranks)")
+        broke = serve_until(server, stop, f" (tensor parallel, {size} ranks)")
     finally:
         llm.close()
+    if broke:
+        logger.error("areal-tik serve: exiting with an error: the engine broke (%s)", server.broken_reason)
+        return 1
     return 0
