@@ -348,9 +348,17 @@ def test_a_mean_over_stock_runs_on_different_paths_says_so(tmp_path):
     assert means["stock_decode_paths"] == ["flash-seqused + torch.compile; log-prob areal-gather-chunked",
                                            "flash-seqused; log-prob materialised-fp32",
                                            "gather-sdpa; log-prob materialised-fp32"]
+    by_path = means["by_stock_path"]  # tik 1 s a step against stock 2.0 (a), 3.0 (b), 1.5 (c)
+    assert {p: (m["configurations"], m["throughput_whole"]) for p, m in by_path.items()} == {
+        "flash-seqused + torch.compile; log-prob areal-gather-chunked": (1, 1.5),
+        "flash-seqused; log-prob materialised-fp32": (1, 2.0), "gather-sdpa; log-prob materialised-fp32": (1, 3.0)}
     out = tmp_path / "report"
     assert main(report_args([tmp_path], out, warmup=0)) == 0
     page = (out / "index.html").read_text()
+    mean_rows = [cells for cells in table_cells(page) if cells[0].startswith("mean over the 1 with stock path")]
+    assert [(r[0].split("path ")[1], r[2]) for r in mean_rows] == [
+        ("flash-seqused + torch.compile; log-prob areal-gather-chunked", "1.500x"),
+        ("flash-seqused; log-prob materialised-fp32", "2.000x"), ("gather-sdpa; log-prob materialised-fp32", "3.000x")]
     assert ("These means mix stock runs on different paths (flash-seqused + torch.compile; log-prob "
             "areal-gather-chunked, flash-seqused; log-prob materialised-fp32, gather-sdpa; log-prob "
             "materialised-fp32;") in page
@@ -358,6 +366,7 @@ def test_a_mean_over_stock_runs_on_different_paths_says_so(tmp_path):
     shutil.copytree(tmp_path / "a", only_a / "a")
     assert main(report_args([only_a], tmp_path / "report_a", warmup=0)) == 0
     assert "These means mix" not in (tmp_path / "report_a" / "index.html").read_text()
+    assert "by_stock_path" not in json.loads((tmp_path / "report_a" / "summary.json").read_text())["means"]
 
 
 def test_latest_keeps_the_newest_comparable_pair_of_each_recipe_and_names_the_rest(tmp_path, capsys):

@@ -114,6 +114,9 @@ def summary_html(rows: list[dict], means: dict) -> str:
             + _tr("mean", [f"mean over the {means['reward_ratio_real_configurations']} real-weight "
                            "configurations (the reward ratio's target)", "", "", "", "",
                            fmt(means["reward_ratio_mean_real"])])
+            + "".join(_tr("mean", [f"mean over the {m['configurations']} with stock path {html.escape(path)}", "",
+                                   fmt(m["throughput_whole"]), fmt(m["throughput_steady"]), fmt(m["throughput_process"])])
+                      for path, m in means.get("by_stock_path", {}).items())
             + _tr("paper", ["paper (H20)", "", fmt(means["paper_throughput"]), "", "", fmt(means["paper_reward"])]))
     paths = means.get("stock_decode_paths", [])
     mixed = ("" if len(paths) < 2 else

@@ -247,7 +247,8 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     ``throughput_process_configurations``: how many rows that mean has;
     ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
     ``reward_ratio_real_configurations`` of them; ``stock_decode_paths``: the stock runs'
-    paths (``stock_decode``), more than one when the means mix baselines; ``gpus``: the GPUs
+    paths (``stock_decode``), more than one when the means mix baselines, and then
+    ``by_stock_path``: the throughput means over each path's rows; ``gpus``: the GPUs
     the pairs ran on, more than one when the means mix devices). With ``catalogue``:
     ``recipes_without_pair``, the end-to-end recipes with no row (a report over all results)."""
     rows = [summary_row(p, warmup) for p in pairs]
@@ -260,6 +261,12 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
     means["stock_decode_paths"] = sorted({re.sub(r" \(.*?\)", "", r["stock_decode"]) for r in rows})
     means["gpus"] = sorted({str(p.tik.get("metadata", {}).get("gpu")) for p in pairs})
+    if len(means["stock_decode_paths"]) > 1:  # the same means over the rows of each stock path
+        means["by_stock_path"] = {
+            path: {"configurations": len(group), **{key: _mean([r[key] for r in group]) for key in
+                                                     ("throughput_whole", "throughput_steady", "throughput_process")}}
+            for path in means["stock_decode_paths"]
+            for group in [[r for r in rows if re.sub(r" \(.*?\)", "", r["stock_decode"]) == path]]}
     if catalogue:
         from areal_tik.adapter.recipes import END_TO_END
 
