@@ -242,6 +242,11 @@ def run_label(pair: Pair) -> str:
     return f"{label('gpu')}, {label('commit')}"
 
 
+def _path_key(stock_path: str) -> str:
+    """A stock path without its parenthesised details: the unit the means are split by."""
+    return re.sub(r" \(.*?\)", "", stock_path)
+
+
 def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tuple[list[dict], dict]:
     """Rows per recipe and the means over recipes (NaN cells left out of the means;
     ``throughput_process_configurations``: how many rows that mean has;
@@ -259,14 +264,14 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     means["reward_ratio_mean_real"] = _mean(real)
     means["reward_ratio_real_configurations"] = len(real)
     # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
-    means["stock_decode_paths"] = sorted({re.sub(r" \(.*?\)", "", r["stock_decode"]) for r in rows})
+    means["stock_decode_paths"] = sorted({_path_key(r["stock_decode"]) for r in rows})
     means["gpus"] = sorted({str(p.tik.get("metadata", {}).get("gpu")) for p in pairs})
     if len(means["stock_decode_paths"]) > 1:  # the same means over the rows of each stock path
         means["by_stock_path"] = {
             path: {"configurations": len(group), **{key: _mean([r[key] for r in group]) for key in
                                                      ("throughput_whole", "throughput_steady", "throughput_process")}}
             for path in means["stock_decode_paths"]
-            for group in [[r for r in rows if re.sub(r" \(.*?\)", "", r["stock_decode"]) == path]]}
+            for group in [[r for r in rows if _path_key(r["stock_decode"]) == path]]}
     if catalogue:
         from areal_tik.adapter.recipes import END_TO_END
 

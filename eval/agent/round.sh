@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One round of the agent-driven attention search (issue 15) in one device call:
-#   bash eval/agent/round.sh OUT_DIR [ROUNDS]
+#   bash eval/agent/round.sh OUT_DIR [ROUNDS]      (AGENT_DIR: the candidates' folder, default eval/agent)
 # A new run on the H200 grid (48 workloads; the root's latencies measured at init), the
 # contrastive prompt as the round starts, then every candidate proposed as the agent's:
-# eval/agent/attention_*.py, a source (its module docstring is the note: the hypothesis and the
-# predicted gain, written before any timing), and eval/agent/attention_*.json, a config delta on
+# $AGENT_DIR/attention_*.py, a source (its module docstring is the note: the hypothesis and the
+# predicted gain, written before any timing), and $AGENT_DIR/attention_*.json, a config delta on
 # the kernel's knobs ({"note": ..., "delta": {...}}), audited (gate + paired timing, ROUNDS rounds) and promoted
 # when the audit allows it; the status, the prompt for the next round and the run directory
 # (records, every attempt) come back under OUT_DIR. A kernel default changes only afterwards,
@@ -19,7 +19,8 @@ tik() { python3 -m areal_tik.cli optimize "$@"; }
 tik init --run "$RUN" --op attention --grid "${AGENT_GRID:-h200}" --device "${AGENT_DEVICE:-cuda}" || exit 1
 tik prompt --run "$RUN" --out "$OUT/prompt_round_start.md"
 failed=0
-for src in eval/agent/attention_*.py eval/agent/attention_*.json; do
+DIR=${AGENT_DIR:-eval/agent}
+for src in "$DIR"/attention_*.py "$DIR"/attention_*.json; do
   [ -e "$src" ] || continue
   if [ "${src##*.}" = py ]; then
     note=$(python3 -c "import ast,sys; print(ast.get_docstring(ast.parse(open(sys.argv[1]).read())).split(chr(10)*2)[0])" "$src")
