@@ -31,7 +31,7 @@ download_list() {  # download_list LIST DEST: every exact pin of LIST (eval/whee
 
 split_parts() {  # split_parts SRC OUTDIR [SIZE]: a tarball of SRC's contents in parts
   mkdir -p "$2"
-  tar cf - -C "$1" . | split -b "${3:-50M}" -d - "$2/part"
+  tar cf - -C "$1" . | split -b "${3:-48M}" -d - "$2/part"
   ls -la "$2"
 }
 
