@@ -49,8 +49,9 @@ FWD_CANDIDATES = (  # most informative first: the budget may cut the tail
     _D,
     _r(_D, kv_split=512),
     _r(_D, kv_split=2048),
-    _r(_D, prefill_subtiles=1),  # same numerics as the default: bits must match it
-    _r(_D, kv_split=2048, prefill_subtiles=1),  # the previous default
+    _r(_D, prefill_pack_heads=1, prefill_order_chunk=0),  # the launch before audit a0009 promoted packing
+    _r(_D, prefill_subtiles=1, prefill_pack_heads=1),  # same numerics as the default: bits must match it
+    _r(_D, kv_split=2048, prefill_subtiles=1, prefill_pack_heads=1, prefill_order_chunk=0),  # an older default
     _r(_D, stages_prefill=4),
     _r(_D, stages_decode=4),
     _r(_D, stages_prefill=2, stages_decode=2),
@@ -329,21 +330,23 @@ def aot_main(check: bool) -> int:
              dict(HEAD_DIM=128, BLOCK_H=16, SPLIT=F.GPU_CONFIG.kv_split, EMULATE=False), 4, 1)
         _aot(A._store_kv_kernel, {"slot_ptr": "*i64"}, dict(HEAD_DIM=128, BLOCK_H=8), 4, 1)
         _aot(B._bwd_delta_kernel, {"delta_ptr": "*fp32", "cu_ptr": "*i32"}, dict(HEAD_DIM=128, BLOCK_T=32), 4, 1)
-        same, why = _same_core(F.GPU_CONFIG, 64, torch.float32)
-        failures += not same
+        same_fp32, why_fp32 = _same_core(F.GPU_CONFIG, 64, torch.float32)
+        failures += not same_fp32
         for dim in (64, 128):
             same, why = _same_core(F.GPU_CONFIG, dim, paged=True)
             print(f"D={dim} paged prefill vs decode: core {'identical' if same else 'DIFFERS:' + why}", flush=True)
             failures += not same
-        # the scheduling knobs the search may move (two heads of a KV group per prefill
-        # program, the chunked launch order): still the decode's core, contiguous and paged
-        packed = dataclasses.replace(F.GPU_CONFIG, prefill_pack_heads=2, prefill_order_chunk=8)
-        for paged in (False, True):
-            same, why = _same_core(packed, 128, paged=paged)
-            print(f"D=128 prefill of 2 heads a program, chunked order{', paged' if paged else ''} vs decode: core "
-                  f"{'identical' if same else 'DIFFERS:' + why}", flush=True)
-            failures += not same
-        print(f"D=64 fp32 prefill vs decode core {'identical' if same else 'DIFFERS:' + why}")
+        # the scheduling knobs the search may move (heads of a KV group per prefill program,
+        # the chunked launch order), at the default and at one head a program in the default
+        # order: still the decode's core, contiguous and paged
+        unpacked = dataclasses.replace(F.GPU_CONFIG, prefill_pack_heads=1, prefill_order_chunk=0)
+        for label, cfg in (("the default launch", F.GPU_CONFIG), ("1 head a program, default order", unpacked)):
+            for paged in (False, True):
+                same, why = _same_core(cfg, 128, paged=paged)
+                print(f"D=128 prefill, {label}{', paged' if paged else ''} vs decode: core "
+                      f"{'identical' if same else 'DIFFERS:' + why}", flush=True)
+                failures += not same
+        print(f"D=64 fp32 prefill vs decode core {'identical' if same_fp32 else 'DIFFERS:' + why_fp32}")
     return 1 if failures else 0
 
 

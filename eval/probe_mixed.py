@@ -142,7 +142,7 @@ def probe_kernels() -> None:
     _row("contiguous prefill, 16K sequence", kernel_ms(full_call, reps=3)[0], causal_flops(0, CONTEXT), first)
     short = lambda: attention_varlen(q[:CHUNK], k[:CHUNK], v[:CHUNK], cu, CHUNK, validate=False)  # noqa: E731
     _row("contiguous prefill, 2K sequence", kernel_ms(short, reps=10)[0], causal_flops(0, CHUNK))
-    one_sub = dataclasses.replace(F.GPU_CONFIG, prefill_subtiles=1)
+    one_sub = dataclasses.replace(F.GPU_CONFIG, prefill_subtiles=1, prefill_pack_heads=1)
     for label, cfg in (("paged chunk (default)", None), ("paged chunk, prefill_subtiles=1", one_sub)):
         for i, start in enumerate(STARTS):
             qs, starts = q[start:start + CHUNK], _i32([start])

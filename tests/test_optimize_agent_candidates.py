@@ -17,7 +17,7 @@ from areal_tik.optimize.op_attention import AttentionOp
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
-DELTAS = sorted((REPO / "eval" / "agent").glob("attention_*.json"))
+DELTAS = sorted((REPO / "eval" / "agent").rglob("attention_*.json"))  # this round's and earlier rounds'
 
 # A source candidate as an agent writes one: its docstring's first paragraph is the note. It
 # launches the root's kernels with two heads a program and chunks of 2 position blocks.
@@ -80,7 +80,7 @@ def test_the_agent_round_records_every_candidate(tmp_path):
 
     folder = tmp_path / "candidates"
     write_source(folder)
-    shutil.copy(REPO / "eval" / "agent" / "attention_pack2_chunk8.json", folder)
+    shutil.copy(REPO / "eval" / "agent" / "rounds" / "round3" / "attention_pack2_chunk8.json", folder)
     out = tmp_path / "out"
     env = dict(os.environ, AGENT_GRID="tiny", AGENT_DEVICE="cpu", TRITON_INTERPRET="1", AGENT_DIR=str(folder))
     proc = subprocess.run(["bash", "eval/agent/round.sh", str(out), "1"], cwd=REPO, env=env,

@@ -123,9 +123,13 @@ class FwdConfig:
 # KiB shared memory (one program per SM); decode 255 registers, 112 KiB (two per SM).
 # eval/probe_attention.py times the alternatives from CUDA graphs (kv_split 512 / 1024 /
 # 2048, sub-tiles, stages) and checks each for prefill == decode bits; change this line
-# from its table.
+# from its table. Prefill packs the two heads of a KV group into a program's 128 rows
+# (prefill_pack_heads=2) and launches in chunks of 8 position blocks (prefill_order_chunk=8)
+# since the agent-driven search promoted that launch (2026-12-07, H100 80GB, code 7730c1e,
+# run eval/results/2026-12-07_h100_7730c1e/: candidate c0007, audit a0009, T(root)/T 1.060 on
+# the 48 workloads, none over the 1.05 cap; bits equal to the root's, scheduling only).
 GPU_CONFIG = FwdConfig(block_m=64, block_n=64, num_warps=4, kv_split=1024, stages_prefill=3,
-                       stages_decode=3, prefill_subtiles=2)
+                       stages_decode=3, prefill_subtiles=2, prefill_pack_heads=2, prefill_order_chunk=8)
 # Interpreter: tiny tiles and a short split, so CPU tests cross several tiles and splits
 # (and prefill runs 2 sub-tiles like the GPU default).
 INTERP_CONFIG = FwdConfig(block_m=16, block_n=16, num_warps=4, kv_split=32, stages_prefill=1,
