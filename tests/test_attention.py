@@ -260,7 +260,7 @@ def test_scheduling_switches_keep_bits(device):
     """Skipping the mask on whole tiles and running prefill programs of one sub-tile
     instead of two are scheduling choices, not numerics changes."""
     masked_only = dataclasses.replace(attention_config(), unmasked_loop=False)
-    one_subtile = dataclasses.replace(attention_config(), prefill_subtiles=1)
+    one_subtile = dataclasses.replace(attention_config(), prefill_subtiles=1, prefill_pack_heads=1)
     q, k, v = _qkv(75, 4, 2, 16, torch.bfloat16, device, seed=47)
     cu = _cu([70, 5], device)
     base = attention_varlen(q, k, v, cu, 70)
@@ -303,6 +303,29 @@ def test_packed_heads_and_chunked_order_keep_bits(device, hq, hk):
         got = attn_mod.attention_paged_prefill(q[40:70], cache.k, cache.v, chunk_cu, 30, cache.tables[0][None],
                                                starts, config=cfg)
         assert_bitwise(got, want[40:70], f"paged chunk, {label}")
+
+
+def test_decode_head_group_split_threshold_keeps_bits(device):
+    """decode_programs_per_sm decides how many programs share a KV group's query heads
+    (0: one program a group; more: the group split while the grid is small): geometry only,
+    so every setting gives the same bits, and the settings do give different geometries."""
+    base = attention_config()
+    q, k, v = _qkv(90, 8, 2, 16, torch.bfloat16, device, seed=49)
+    cache = PagedCache([(k[:90], v[:90])], _block_size(), device)
+    picks = [0, 45, 89]
+    tables = cache.tables[0][None].expand(len(picks), -1).contiguous()
+    ctx = torch.tensor([p + 1 for p in picks], dtype=torch.int32, device=device)
+    want = attention_varlen(q, k, v, _cu([90], device), 90)[picks]
+    splits = max(1, -(-tables.shape[1] * _block_size() // base.kv_split))
+    sms = _attention_fwd._sm_count(torch.device(device))
+    rows = {n: _attention_fwd._decode_rows_per_program(len(picks), 2, 4, splits, base.block_m, sms, n) for n in (0, 1, 2, 64)}
+    assert rows[0] == 4 and rows[64] == 1, rows  # whole groups vs one head a program
+    for n in rows:
+        cfg = dataclasses.replace(base, decode_programs_per_sm=n)
+        assert_bitwise(attention_decode(q[picks], cache.k, cache.v, tables, ctx, config=cfg), want,
+                       f"decode, {n} programs per SM")
+    with pytest.raises(ValueError, match="decode_programs_per_sm"):
+        dataclasses.replace(base, decode_programs_per_sm=-1)
 
 
 def test_packed_heads_and_order_chunk_are_checked():
@@ -709,7 +732,9 @@ def test_gpu_prefill_subtiles_keep_bits(hq, hk, dim):
     """A prefill program of 2 sub-tiles (128 rows, 8 warps) gives the bits of programs of
     one 64-row sub-tile (the decode tiling), with and without the training LSE."""
     base = attention_config()
-    one, two = (dataclasses.replace(base, prefill_subtiles=s) for s in (1, 2))
+    # one head a program where one sub-tile leaves no room for a pack (the GPU default packs 2)
+    one, two = (dataclasses.replace(base, prefill_subtiles=s, prefill_pack_heads=min(s, base.prefill_pack_heads))
+                for s in (1, 2))
     lengths = [1, 100, 129, 1000, 2049, 3000]
     q, k, v = _qkv(sum(lengths) + 5, hq, hk, dim, torch.bfloat16, "cuda", seed=140)
     cu = _cu(lengths, "cuda")
@@ -732,7 +757,7 @@ def test_gpu_packed_heads_and_chunked_order_keep_bits(hq, hk, dim):
     cu = _cu(lengths, "cuda")
     scale = dim ** -0.5
     want, want_lse = attn_mod._forward(q, k, v, cu, len(lengths), 3000, scale, True, base)
-    for pack, chunk in ((2, 0), (1, 8), (2, 8), (2, 3)):
+    for pack, chunk in ((1, 0), (2, 0), (1, 8), (2, 8), (2, 3)):  # (1, 0): the launch before 6b9f35f
         cfg = dataclasses.replace(base, prefill_pack_heads=pack, prefill_order_chunk=chunk)
         out, lse = attn_mod._forward(q, k, v, cu, len(lengths), 3000, scale, True, cfg)
         label = f"pack {pack}, chunk {chunk}"

@@ -147,6 +147,22 @@ def test_attention_moves_reach_the_packed_heads_and_the_chunked_order():
     assert not op.affects(delta, workloads["decode"])
 
 
+def test_attention_moves_reach_the_decode_head_split():
+    """Decode's head-group split threshold is a move (x2 / /2, down to 0: never split, and
+    from 0 back to 1) that touches decode workloads only."""
+    op = evaluator.make_op("attention", "h200")
+    root = op.root_config()
+    assert root["decode_programs_per_sm"] == 2
+    moves = op.moves(root)
+    assert {"decode_programs_per_sm": 4} in moves and {"decode_programs_per_sm": 1} in moves
+    assert {"decode_programs_per_sm": 0} in op.moves({**root, "decode_programs_per_sm": 1})
+    assert op.moves({**root, "decode_programs_per_sm": 0}).count({"decode_programs_per_sm": 1}) == 1
+    workloads = {w.kind: w for w in op.workloads("h200")}
+    delta = {"decode_programs_per_sm": 4}
+    assert op.affects(delta, workloads["decode"])
+    assert not op.affects(delta, workloads["prefill"]) and not op.affects(delta, workloads["train"])
+
+
 def test_the_attention_grid_is_the_48_workloads():
     ws = evaluator.make_op("attention", "h200").workloads("h200")
     assert len(ws) == 48 and len({w.name for w in ws}) == 48

@@ -181,9 +181,13 @@ class AttentionOp(Op):
         # (down to 1; from 1 back to the default)
         chunk = c["prefill_order_chunk"]
         steps += [("prefill_order_chunk", v) for v in ((8,) if chunk == 0 else (chunk * 2, chunk // 2))]
+        # decode's head-group split threshold: x2 / /2 (down to 0, never split; from 0 to 1)
+        per_sm = c["decode_programs_per_sm"]
+        steps += [("decode_programs_per_sm", v) for v in ((1,) if per_sm == 0 else (per_sm * 2, per_sm // 2))]
         moves = []
         for field, value in steps:
-            least = 0 if field == "prefill_order_chunk" else 1  # chunk 0: the default launch order
+            # chunk 0: the default launch order; 0 programs per SM: never split a head group
+            least = 0 if field in ("prefill_order_chunk", "decode_programs_per_sm") else 1
             if isinstance(value, int) and not isinstance(value, bool) and value < least:
                 continue
             try:
@@ -202,7 +206,7 @@ class AttentionOp(Op):
     def affects(self, delta, w) -> bool:
         if not delta:  # the same config: the same launch everywhere
             return False
-        if set(delta) <= {"stages_decode"}:
+        if set(delta) <= {"stages_decode", "decode_programs_per_sm"}:
             return w.kind == "decode"
         if set(delta) <= {"stages_prefill", "prefill_subtiles", "prefill_pack_heads", "prefill_order_chunk"}:
             return w.kind != "decode"

@@ -89,6 +89,10 @@ class FwdConfig:
     # a chunk (programs reading the same K/V prefix run together). Order changes when a
     # program runs, never what it computes.
     prefill_order_chunk: int = 0
+    # Decode splits a KV group's query heads over more programs (each re-reads the group's
+    # K/V) while its grid has fewer than decode_programs_per_sm programs per SM; 0 never
+    # splits. Geometry only: rows never interact.
+    decode_programs_per_sm: int = 2
 
     def __post_init__(self):
         tiles = self.kv_split // self.block_n
@@ -102,6 +106,8 @@ class FwdConfig:
             raise ValueError(f"prefill_pack_heads must be a power of two dividing prefill_subtiles, got {self}")
         if self.prefill_order_chunk < 0:
             raise ValueError(f"prefill_order_chunk must be >= 0, got {self}")
+        if self.decode_programs_per_sm < 0:
+            raise ValueError(f"decode_programs_per_sm must be >= 0, got {self}")
         # Paged prefill programs start on row blocks aligned to the splits (see the kernel):
         # a program wider than a split walks a fully masked split (wrong bits, found by a
         # search), so every path refuses such a config here, once.
@@ -614,11 +620,11 @@ def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax
     )
 
 
-def _decode_rows_per_program(batch, hk, group, num_splits, block_m, num_sms):
+def _decode_rows_per_program(batch, hk, group, num_splits, block_m, num_sms, programs_per_sm=2):
     """Query heads per decode program: the whole group, halved while the grid has fewer
-    than two programs per SM (geometry only: rows never interact)."""
+    than ``programs_per_sm`` programs per SM (geometry only: rows never interact)."""
     rows = min(group, block_m)
-    while rows > 1 and batch * hk * num_splits * cdiv(group, rows) < 2 * num_sms:
+    while rows > 1 and batch * hk * num_splits * cdiv(group, rows) < programs_per_sm * num_sms:
         rows = cdiv(rows, 2)
     return rows
 
@@ -634,7 +640,8 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, softmax_
     group = hq // hk
     num_splits = max(1, cdiv(block_tables.shape[1] * block_size, config.kv_split))
     direct = num_splits == 1
-    rows = _decode_rows_per_program(B, hk, group, num_splits, config.block_m, _sm_count(q.device))
+    rows = _decode_rows_per_program(B, hk, group, num_splits, config.block_m, _sm_count(q.device),
+                                    config.decode_programs_per_sm)
     part = out if direct else torch.empty(B * hq * num_splits * (dim + 2), dtype=torch.float32,
                                           device=q.device)
     _decode_fwd_kernel[(num_splits, hk * cdiv(group, rows), B)](
