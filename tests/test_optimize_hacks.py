@@ -132,6 +132,20 @@ def test_a_config_knob_that_never_reaches_the_kernel_is_caught(op):
         checks.check_dispatch(op, Ignoring(config), w, inputs, CPU, config)
 
 
+def test_an_attention_head_pack_that_never_reaches_the_kernel_is_caught():
+    """The prefill launch's head pack and order chunk are part of its dispatch evidence: a
+    config asking for two heads a program, served by the root's launch, is caught."""
+    from areal_tik.optimize.op_attention import AttentionOp
+
+    att = AttentionOp("tiny")
+    config = att.normalise({**att.root_config(), "prefill_pack_heads": 2, "prefill_order_chunk": 2})
+    w = next(w for w in att.check_workloads(CPU) if w.kind == "prefill")
+    inputs = att.make_inputs(w, 3, CPU)
+    checks.check_dispatch(att, att.config_impl(config), w, inputs, CPU, config)
+    with pytest.raises(CheckFailed, match="no launch of _prefill_fwd_kernel with"):
+        checks.check_dispatch(att, att.config_impl(att.root_config()), w, inputs, CPU, config)
+
+
 def test_shrunk_work_is_caught_by_the_bits_of_every_timed_workload(op, tmp_path):
     impls = {"root": op.config_impl({}), "candidate": _load(op, tmp_path, "shrink_rows")}
     times, failures = timing.paired(op, impls, op.workloads("tiny"), CPU, reference="root", rounds=1)

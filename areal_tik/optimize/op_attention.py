@@ -5,7 +5,8 @@ Config: the fields of ``_attention_fwd.FwdConfig``; the root is the kernel's def
 config explicitly (``launch_prefill``; ``attention_decode(config=...)``), so no kernel
 file is touched. Moves change one knob by one step (stages +-1, sub-tiles x2 / /2, the
 unmasked loop, kv_split x2 / /2, warps, tile rows/cols, query heads per prefill program x2 /
-/2, the prefill launch order: default -> chunks of 8 -> x2 / /2); which of them keep the bits is
+/2, the prefill launch order: default -> chunks of 8 -> x2 / /2, decode's head-group split
+threshold x2 / /2 down to 0); which of them keep the bits is
 for the contract suite to say: the kernel's documentation says block_m, block_n,
 num_warps and kv_split fix the numerics, and the gate is expected to refuse them.
 
@@ -160,8 +161,10 @@ class AttentionOp(Op):
                                             "TILES_PER_SPLIT": tiles, "UNMASKED_LOOP": cfg.unmasked_loop,
                                             "num_warps": cfg.num_warps, "num_stages": cfg.stages_decode})]
         rows, warps = F.prefill_tiling(cfg, inputs["q"].dtype)
+        pack, chunk = F.prefill_packing(cfg, inputs["q"].dtype, inputs["q"].shape[1], inputs["k"].shape[1])
         return [("_prefill_fwd_kernel", {"BLOCK_M": rows, "BLOCK_N": cfg.block_n, "TILES_PER_SPLIT": tiles,
                                          "UNMASKED_LOOP": cfg.unmasked_loop, "STORE_LSE": w.kind == "train",
+                                         "PACK_H": pack, "CHUNK": chunk,
                                          "num_warps": warps, "num_stages": cfg.stages_prefill})]
 
     # ---------------------------------------------------------------- knobs

@@ -620,7 +620,7 @@ def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax
     )
 
 
-def _decode_rows_per_program(batch, hk, group, num_splits, block_m, num_sms, programs_per_sm=2):
+def _decode_rows_per_program(batch, hk, group, num_splits, block_m, num_sms, programs_per_sm):
     """Query heads per decode program: the whole group, halved while the grid has fewer
     than ``programs_per_sm`` programs per SM (geometry only: rows never interact)."""
     rows = min(group, block_m)
