@@ -117,3 +117,19 @@ def test_a_config_delta_needs_a_config_parent(tmp_path):
         evaluator.propose(run, op, delta=delta, parent=source.id)
     cand = evaluator.propose(run, op, delta=delta, parent="root")
     assert cand.kind == "config" and cand.config["prefill_order_chunk"] == 4 and cand.parent == "root"
+
+
+def test_a_round_without_candidates_is_refused_before_it_starts(tmp_path):
+    """round.sh over a folder with no candidate stops with a message naming the folder, before
+    it initialises a run (which would spend device time timing the root alone)."""
+    import os
+    import subprocess
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "out"
+    env = dict(os.environ, AGENT_GRID="tiny", AGENT_DEVICE="cpu", TRITON_INTERPRET="1", AGENT_DIR=str(empty))
+    proc = subprocess.run(["bash", "eval/agent/round.sh", str(out), "1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"no candidate in {empty}" in proc.stderr, proc.stderr
+    assert not (out / "attention_run").exists()

@@ -15,11 +15,14 @@ ROUNDS=${2:-5}
 RUN=$OUT/attention_run
 mkdir -p "$OUT"
 tik() { python3 -m areal_tik.cli optimize "$@"; }
+DIR=${AGENT_DIR:-eval/agent}
+# a round without candidates would only time the root: refuse it before it spends device time
+compgen -G "$DIR/attention_*.py" > /dev/null || compgen -G "$DIR/attention_*.json" > /dev/null || {
+  echo "round.sh: no candidate in $DIR (attention_*.py sources or attention_*.json deltas)" >&2; exit 2; }
 # AGENT_GRID=tiny AGENT_DEVICE=cpu: the same round on the Triton interpreter (the CPU test)
 tik init --run "$RUN" --op attention --grid "${AGENT_GRID:-h200}" --device "${AGENT_DEVICE:-cuda}" || exit 1
 tik prompt --run "$RUN" --out "$OUT/prompt_round_start.md"
 failed=0
-DIR=${AGENT_DIR:-eval/agent}
 for src in "$DIR"/attention_*.py "$DIR"/attention_*.json; do
   [ -e "$src" ] || continue
   if [ "${src##*.}" = py ]; then
