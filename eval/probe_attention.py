@@ -47,6 +47,7 @@ _D = F.GPU_CONFIG
 _r = dataclasses.replace
 FWD_CANDIDATES = (  # most informative first: the budget may cut the tail
     _D,
+    _r(_D, prefill_tma=True),  # whole K/V tiles through TMA descriptors: scheduling only
     _r(_D, kv_split=512),
     _r(_D, kv_split=2048),
     _r(_D, prefill_pack_heads=1, prefill_order_chunk=0),  # the launch before audit a0009 promoted packing
@@ -222,6 +223,8 @@ def _aot(fn, ptr_types, const, num_warps, num_stages):
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
+        elif name.endswith("_desc"):
+            sig[name] = ptr_types[name]
         elif name.endswith("_ptr"):
             sig[name] = ptr_types.get(name, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -274,10 +277,17 @@ def aot_forward(cfg, dim, dtype=torch.bfloat16, direct=False, paged=False):
                   UNMASKED_LOOP=cfg.unmasked_loop, DOT_FP32=False, PRECISION=F._precision(dtype))
     rows, warps = F.prefill_tiling(cfg, dtype)
     pack, chunk = F.prefill_packing(cfg, dtype, 16, 8)  # Qwen3-0.6B's heads: a group of 2
-    pre = _aot(F._prefill_fwd_kernel, ptrs, dict(common, BLOCK_M=rows, STORE_LSE=not paged, PAGED=paged,
-                                                 PACK_H=pack, CHUNK=chunk),
+    def descs(tma):  # as kv_descriptors decides: bf16 / fp16 only
+        tma = tma and dtype != torch.float32
+        box = f"tensordesc<{ptrs['k_ptr'][1:]}[{cfg.block_n}, {dim}]>" if tma else ptrs["k_ptr"]
+        return dict(ptrs, k_desc=box, v_desc=box), tma
+
+    pre_ptrs, pre_tma = descs(cfg.prefill_tma)
+    pre = _aot(F._prefill_fwd_kernel, pre_ptrs, dict(common, BLOCK_M=rows, STORE_LSE=not paged, PAGED=paged,
+                                                     PACK_H=pack, CHUNK=chunk, TMA=pre_tma),
                warps, cfg.stages_prefill)
-    dec = _aot(F._decode_fwd_kernel, ptrs, dict(common, BLOCK_M=cfg.block_m, DIRECT=direct),
+    dec_ptrs, dec_tma = descs(cfg.decode_tma)
+    dec = _aot(F._decode_fwd_kernel, dec_ptrs, dict(common, BLOCK_M=cfg.block_m, DIRECT=direct, TMA=dec_tma),
                cfg.num_warps, cfg.stages_decode)
     return pre, dec
 
@@ -337,10 +347,12 @@ def aot_main(check: bool) -> int:
             print(f"D={dim} paged prefill vs decode: core {'identical' if same else 'DIFFERS:' + why}", flush=True)
             failures += not same
         # the scheduling knobs the search may move (heads of a KV group per prefill program,
-        # the chunked launch order), at the default and at one head a program in the default
-        # order: still the decode's core, contiguous and paged
+        # the chunked launch order, TMA loads), at the default, at one head a program in the
+        # default order and with TMA loads: still the decode's core, contiguous and paged
         unpacked = dataclasses.replace(F.GPU_CONFIG, prefill_pack_heads=1, prefill_order_chunk=0)
-        for label, cfg in (("the default launch", F.GPU_CONFIG), ("1 head a program, default order", unpacked)):
+        tma = dataclasses.replace(F.GPU_CONFIG, prefill_tma=True, decode_tma=True)
+        for label, cfg in (("the default launch", F.GPU_CONFIG), ("1 head a program, default order", unpacked),
+                           ("TMA loads of whole K/V tiles", tma)):
             for paged in (False, True):
                 same, why = _same_core(cfg, 128, paged=paged)
                 print(f"D=128 prefill, {label}{', paged' if paged else ''} vs decode: core "

@@ -328,6 +328,55 @@ def test_decode_head_group_split_threshold_keeps_bits(device):
         dataclasses.replace(base, decode_programs_per_sm=-1)
 
 
+def _tma_cases(device, lengths, hq, hk, dim, seed):
+    """q, k, v as views of one fused projection output [T, (Hq + 2 Hk) * D] (the model's
+    layout: heads adjacent, row stride 16-byte aligned, what the descriptors need)."""
+    T = sum(lengths) + 3
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    qkv = torch.randn(T, hq + 2 * hk, dim, generator=g).to(torch.bfloat16).to(device)
+    return qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:], _cu(lengths, device)
+
+
+def test_tma_loads_keep_bits(device):
+    """Whole K/V tiles loaded through TMA descriptors (prefill_tma: contiguous and paged
+    prefill; decode_tma: paged decode) instead of pointers: the same values reach the same
+    dots, so every row, the training LSE, the zeroed padding rows, the paged chunk rows and
+    decode at one and at several splits keep the pointer loads' bits. The descriptors are
+    built (the test would otherwise compare the pointer path with itself), and a layout
+    they cannot describe (heads not adjacent) falls back to pointers."""
+    base = attention_config()
+    tma = dataclasses.replace(base, prefill_tma=True, decode_tma=True)
+    lengths = [70, 5, 100]
+    q, k, v, cu = _tma_cases(device, lengths, 4, 2, 16, seed=50)
+    assert _attention_fwd.kv_descriptors(k, v, base.block_n, True) is not None
+    assert _attention_fwd.kv_descriptors(k, v, base.block_n, False) is None
+    spread = torch.randn(k.shape[0], 2, 32).to(torch.bfloat16).to(device)[:, :, :16]  # head stride 32
+    assert _attention_fwd.kv_descriptors(spread, spread, base.block_n, True) is None
+    want, want_lse = attn_mod._forward(q, k, v, cu, 3, 100, 16 ** -0.5, True, base)
+    got, got_lse = attn_mod._forward(q, k, v, cu, 3, 100, 16 ** -0.5, True, tma)
+    assert_bitwise(got, want, "prefill")
+    assert_bitwise(got_lse[:, :175], want_lse[:, :175], "training LSE")
+    assert_bitwise(got[175:], torch.zeros_like(got[175:]), "padding rows")
+    grad_q = q.detach().requires_grad_()
+    assert_bitwise(attention_varlen(grad_q, k, v, cu, 100, config=tma).detach(), want, "training forward")
+    # the paged regimes: a cache holding the third sequence in shuffled, poisoned blocks
+    k3, v3, q3 = k[75:175], v[75:175], q[75:175]
+    cache = PagedCache([(k3, v3)], _block_size(), device)
+    assert _attention_fwd.kv_descriptors(cache.k, cache.v, base.block_n, True) is not None
+    starts = torch.tensor([40], dtype=torch.int32, device=device)
+    for label, cfg in (("pointers", base), ("TMA", tma)):
+        chunk = attn_mod.attention_paged_prefill(q3[40:100], cache.k, cache.v, _cu([60], device), 60,
+                                                 cache.tables[0][None], starts, config=cfg)
+        assert_bitwise(chunk, want[115:175], f"paged chunk, {label}")
+    picks = [0, 31, 32, 63, 64, 99]  # across tiles and splits of 32
+    tables = cache.tables[0][None].expand(len(picks), -1).contiguous()
+    ctx = torch.tensor([p + 1 for p in picks], dtype=torch.int32, device=device)
+    for label, t in (("several splits", tables), ("one split", tables[:, :1])):
+        rows = [i for i, p in enumerate(picks) if p < t.shape[1] * _block_size()]
+        got = attention_decode(q3[[picks[i] for i in rows]], cache.k, cache.v, t[rows], ctx[rows], config=tma)
+        assert_bitwise(got, want[[75 + picks[i] for i in rows]], f"decode, {label}")
+
+
 def test_packed_heads_and_order_chunk_are_checked():
     with pytest.raises(ValueError, match="prefill_pack_heads"):
         FwdConfig(16, 16, 4, 32, prefill_subtiles=2, prefill_pack_heads=4)
@@ -764,6 +813,42 @@ def test_gpu_packed_heads_and_chunked_order_keep_bits(hq, hk, dim):
         assert_bitwise(out, want, label)
         assert_bitwise(lse[:, :sum(lengths)], want_lse[:, :sum(lengths)], f"LSE, {label}")
         assert_bitwise(attention_varlen(q, k, v, cu, 3000, config=cfg), want, f"inference, {label}")
+
+
+@gpu
+@pytest.mark.parametrize("hq,hk,dim", GPU_SHAPES)
+def test_gpu_tma_loads_keep_bits(hq, hk, dim):
+    """Whole K/V tiles through TMA descriptors give the pointer loads' bits at real sizes:
+    packed prefill with the training LSE (q, k, v views of one fused projection, as the
+    model lays them out), paged chunks of a prompt, and paged decode at one and at
+    several KV splits over shuffled, poisoned blocks."""
+    base = attention_config()
+    tma = dataclasses.replace(base, prefill_tma=True, decode_tma=True)
+    lengths = [1, 100, 129, 1000, 2049, 3000]
+    q, k, v, cu = _tma_cases("cuda", lengths, hq, hk, dim, seed=142)
+    assert _attention_fwd.kv_descriptors(k, v, base.block_n, True) is not None
+    scale = dim ** -0.5
+    want, want_lse = attn_mod._forward(q, k, v, cu, len(lengths), 3000, scale, True, base)
+    got, got_lse = attn_mod._forward(q, k, v, cu, len(lengths), 3000, scale, True, tma)
+    assert_bitwise(got, want, "prefill")
+    assert_bitwise(got_lse[:, :sum(lengths)], want_lse[:, :sum(lengths)], "training LSE")
+    first = sum(lengths[:-1])  # the 3000-token sequence, paged
+    cache = PagedCache([(k[first:first + 3000], v[first:first + 3000])], _block_size(), "cuda")
+    assert _attention_fwd.kv_descriptors(cache.k, cache.v, base.block_n, True) is not None
+    starts = torch.tensor([1000], dtype=torch.int32, device="cuda")
+    for label, cfg in (("pointers", base), ("TMA", tma)):
+        chunk = attn_mod.attention_paged_prefill(q[first + 1000:first + 3000], cache.k, cache.v,
+                                                 _cu([2000], "cuda"), 2000, cache.tables[0][None], starts,
+                                                 config=cfg)
+        assert_bitwise(chunk, want[first + 1000:first + 3000], f"paged chunk, {label}")
+    picks = _boundary_positions(3000)
+    tables = cache.tables[0][None].expand(len(picks), -1).contiguous()
+    ctx = torch.tensor([p + 1 for p in picks], dtype=torch.int32, device="cuda")
+    per_split = base.kv_split // _block_size()
+    for label, t in (("several splits", tables), ("one split", tables[:, :per_split])):
+        rows = [i for i, p in enumerate(picks) if p < t.shape[1] * _block_size()]
+        got = attention_decode(q[[first + picks[i] for i in rows]], cache.k, cache.v, t[rows], ctx[rows], config=tma)
+        assert_bitwise(got, want[[first + picks[i] for i in rows]], f"decode, {label}")
 
 
 @gpu

@@ -6,7 +6,8 @@ config explicitly (``launch_prefill``; ``attention_decode(config=...)``), so no 
 file is touched. Moves change one knob by one step (stages +-1, sub-tiles x2 / /2, the
 unmasked loop, kv_split x2 / /2, warps, tile rows/cols, query heads per prefill program x2 /
 /2, the prefill launch order: default -> chunks of 8 -> x2 / /2, decode's head-group split
-threshold x2 / /2 down to 0); which of them keep the bits is
+threshold x2 / /2 down to 0, TMA loads of whole K/V tiles in prefill and in decode on / off);
+which of them keep the bits is
 for the contract suite to say: the kernel's documentation says block_m, block_n,
 num_warps and kv_split fix the numerics, and the gate is expected to refuse them.
 
@@ -157,14 +158,17 @@ class AttentionOp(Op):
         cfg = F.FwdConfig(**config)
         tiles = cfg.kv_split // cfg.block_n
         if w.kind == "decode":
+            tma = F.kv_descriptors(inputs["k_cache"], inputs["v_cache"], cfg.block_n, cfg.decode_tma) is not None
             return [("_decode_fwd_kernel", {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                                             "TILES_PER_SPLIT": tiles, "UNMASKED_LOOP": cfg.unmasked_loop,
+                                            "TMA": tma,
                                             "num_warps": cfg.num_warps, "num_stages": cfg.stages_decode})]
         rows, warps = F.prefill_tiling(cfg, inputs["q"].dtype)
         pack, chunk = F.prefill_packing(cfg, inputs["q"].dtype, inputs["q"].shape[1], inputs["k"].shape[1])
+        tma = F.kv_descriptors(inputs["k"], inputs["v"], cfg.block_n, cfg.prefill_tma) is not None
         return [("_prefill_fwd_kernel", {"BLOCK_M": rows, "BLOCK_N": cfg.block_n, "TILES_PER_SPLIT": tiles,
                                          "UNMASKED_LOOP": cfg.unmasked_loop, "STORE_LSE": w.kind == "train",
-                                         "PACK_H": pack, "CHUNK": chunk,
+                                         "PACK_H": pack, "CHUNK": chunk, "TMA": tma,
                                          "num_warps": warps, "num_stages": cfg.stages_prefill})]
 
     # ---------------------------------------------------------------- knobs
@@ -179,7 +183,8 @@ class AttentionOp(Op):
                  ("num_warps", c["num_warps"] * 2), ("block_m", c["block_m"] * 2),
                  ("block_n", c["block_n"] // 2),
                  ("prefill_pack_heads", c["prefill_pack_heads"] * 2),
-                 ("prefill_pack_heads", c["prefill_pack_heads"] // 2)]
+                 ("prefill_pack_heads", c["prefill_pack_heads"] // 2),
+                 ("prefill_tma", not c["prefill_tma"]), ("decode_tma", not c["decode_tma"])]
         # the launch order: from the default (0) to chunks of 8 position blocks, then x2 / /2
         # (down to 1; from 1 back to the default)
         chunk = c["prefill_order_chunk"]
@@ -209,9 +214,10 @@ class AttentionOp(Op):
     def affects(self, delta, w) -> bool:
         if not delta:  # the same config: the same launch everywhere
             return False
-        if set(delta) <= {"stages_decode", "decode_programs_per_sm"}:
+        if set(delta) <= {"stages_decode", "decode_programs_per_sm", "decode_tma"}:
             return w.kind == "decode"
-        if set(delta) <= {"stages_prefill", "prefill_subtiles", "prefill_pack_heads", "prefill_order_chunk"}:
+        if set(delta) <= {"stages_prefill", "prefill_subtiles", "prefill_pack_heads", "prefill_order_chunk",
+                          "prefill_tma"}:
             return w.kind != "decode"
         return True
 

@@ -53,6 +53,11 @@ import triton.language as tl
 from ._common import interpreting
 from ._rounding import cast_rne
 
+try:  # host-side TMA descriptors (triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
+
 LOG2E = 1.4426950408889634
 
 
@@ -93,6 +98,13 @@ class FwdConfig:
     # K/V) while its grid has fewer than decode_programs_per_sm programs per SM; 0 never
     # splits. Geometry only: rows never interact.
     decode_programs_per_sm: int = 2
+    # Prefill / training (contiguous and paged) and decode: the K/V tiles every row of a
+    # program sees whole are loaded through TMA descriptors (Hopper; bf16 / fp16 operands
+    # with unit head-dim stride, heads adjacent, 16-byte aligned; see kv_descriptors), the
+    # others (diagonal, masked) through pointers. The same values reach the same dots:
+    # scheduling only.
+    prefill_tma: bool = False
+    decode_tma: bool = False
 
     def __post_init__(self):
         tiles = self.kv_split // self.block_n
@@ -199,13 +211,27 @@ def _softmax_tile(q, kT, v, pos, limit, m_i, l_i, acc, qk_scale, MASKED: tl.cons
 @triton.jit
 def _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base, v_base, tiles, ids,
              block_size, stride_k_pos, stride_v_pos, stride_k_blk, stride_v_blk,
+             k_desc, v_desc, desc_row, desc_col,
              MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-             DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Load KV tile t (positions t * BLOCK_N + [0, BLOCK_N)) and apply one softmax step."""
+             DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr = False):
+    """Load KV tile t (positions t * BLOCK_N + [0, BLOCK_N)) and apply one softmax step.
+    TMA (whole tiles only): the tile comes through the descriptors k_desc / v_desc of K / V
+    viewed as [rows, Hk * D] (contiguous: token rows, from desc_row; paged: the cache's
+    block-major slots) at column desc_col; the same values reach the same dot as through
+    the pointer loads."""
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     start = t * BLOCK_N
+    if TMA and not MASKED:
+        if PAGED:
+            row = tl.sum(tl.where(tiles == t, ids, 0), axis=0) * block_size + start % block_size
+        else:
+            row = desc_row + start
+        kT = tl.trans(k_desc.load([row, desc_col]))  # [D, BN]
+        v = v_desc.load([row, desc_col])  # [BN, D]
+        return _softmax_tile(q, kT, v, start + n, limit, m_i, l_i, acc, qk_scale, False,
+                             BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
     if PAGED:
         # block_size is a multiple of BLOCK_N, so a tile lies inside one cache block.
         blk = tl.sum(tl.where(tiles == t, ids, 0), axis=0).to(tl.int64)
@@ -235,11 +261,13 @@ def _attn_split(q, limit, tile_lo, tile_full, tile_hi, n_valid, qk_scale,
                 k_base, v_base,  # K/V of this sequence and KV head (paged: of block 0, slot 0)
                 table_ptr,  # [max_blocks] int32 block ids of this sequence (PAGED only)
                 block_size, stride_k_pos, stride_v_pos, stride_k_blk, stride_v_blk,
+                k_desc, v_desc, desc_row, desc_col,  # TMA only (see _kv_step)
                 PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr,
-                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr = False):
     """Fresh online softmax over KV tiles [tile_lo, tile_hi); returns (m, l, acc). With
-    UNMASKED_LOOP, tiles below tile_full (whole for every row) skip the masks."""
+    UNMASKED_LOOP, tiles below tile_full (whole for every row) skip the masks (and with
+    TMA load through the descriptors)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -258,21 +286,22 @@ def _attn_split(q, limit, tile_lo, tile_full, tile_hi, n_valid, qk_scale,
         for t in range(tile_lo, mid):
             m_i, l_i, acc = _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base,
                                      v_base, tiles, ids, block_size, stride_k_pos, stride_v_pos,
-                                     stride_k_blk, stride_v_blk, False, PAGED, BLOCK_M, BLOCK_N,
-                                     HEAD_DIM, DOT_FP32, PRECISION)
+                                     stride_k_blk, stride_v_blk, k_desc, v_desc, desc_row, desc_col,
+                                     False, PAGED, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_FP32, PRECISION, TMA)
     for t in range(mid, tile_hi):
         m_i, l_i, acc = _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base, v_base,
                                  tiles, ids, block_size, stride_k_pos, stride_v_pos,
-                                 stride_k_blk, stride_v_blk, True, PAGED, BLOCK_M, BLOCK_N,
-                                 HEAD_DIM, DOT_FP32, PRECISION)
+                                 stride_k_blk, stride_v_blk, k_desc, v_desc, desc_row, desc_col,
+                                 True, PAGED, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_FP32, PRECISION)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _attn_whole_split(q, limit, tile_lo, qk_scale, k_base, v_base, stride_k_pos, stride_v_pos,
+                      k_desc, v_desc, desc_row, desc_col,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                       TILES_PER_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, TMA: tl.constexpr = False):
     """``_attn_split`` for a contiguous split whose tiles every row sees whole: the same
     unmasked steps with a constant trip count (no per-split bounds or empty masked loop).
     Asking Triton to fuse the loop over such splits (``tl.range(flatten=True)``) was
@@ -282,8 +311,9 @@ def _attn_whole_split(q, limit, tile_lo, qk_scale, k_base, v_base, stride_k_pos,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for j in range(0, TILES_PER_SPLIT):
         m_i, l_i, acc = _kv_step(tile_lo + j, q, limit, 0, m_i, l_i, acc, qk_scale, k_base, v_base,
-                                 0, 0, 1, stride_k_pos, stride_v_pos, 0, 0, False, False,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_FP32, PRECISION)
+                                 0, 0, 1, stride_k_pos, stride_v_pos, 0, 0,
+                                 k_desc, v_desc, desc_row, desc_col, False, False,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_FP32, PRECISION, TMA)
     return m_i, l_i, acc
 
 
@@ -315,6 +345,7 @@ def _finalize(O, L):
 def _prefill_fwd_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr, v_ptr,  # [T, Hk, D]
+    k_desc, v_desc,  # TMA: descriptors of K / V as [T, Hk * D], box [BLOCK_N, D] (else unused)
     out_ptr,  # [T, Hq, D]
     lse_ptr,  # [Hq, T] fp32, log2 units (written when STORE_LSE)
     cu_ptr,  # [S + 1] int32 query rows of each sequence
@@ -327,7 +358,7 @@ def _prefill_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr, STORE_LSE: tl.constexpr,
     PAGED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    PACK_H: tl.constexpr, CHUNK: tl.constexpr,
+    PACK_H: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
 ):
     # Grid (Hq * (S + 1), cdiv(max_seqlen, BLOCK_M)): heads vary fastest so GQA siblings
     # share K/V in L2, and the M tiles run longest-first (causal work grows with the tile
@@ -396,6 +427,7 @@ def _prefill_fwd_kernel(
         k_base = k_ptr + start.to(tl.int64) * stride_kt + kvh * stride_kh
         v_base = v_ptr + start.to(tl.int64) * stride_vt + kvh * stride_vh
         table = cu_ptr  # unused
+    desc_col = (kvh * HEAD_DIM).to(tl.int32)  # TMA: this KV head's columns of [T, Hk * D]
     n_ctx = ctx0 + seqlen  # K/V positions [0, n_ctx) hold this sequence's keys
     if p0 >= n_ctx:
         return
@@ -422,8 +454,9 @@ def _prefill_fwd_kernel(
         first = tile_full // TILES_PER_SPLIT
         for sp in range(0, first):
             m, l, acc = _attn_whole_split(q, limit, sp * TILES_PER_SPLIT, qk_scale, k_base, v_base,
-                                          stride_kt, stride_vt, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                          TILES_PER_SPLIT, DOT_FP32, PRECISION)
+                                          stride_kt, stride_vt, k_desc, v_desc, start, desc_col,
+                                          BLOCK_M, BLOCK_N, HEAD_DIM, TILES_PER_SPLIT, DOT_FP32,
+                                          PRECISION, TMA)
             M, L, O = _merge(M, L, O, m, l, acc)
     for sp in range(first, tl.cdiv(n_tiles, TILES_PER_SPLIT)):
         lo = sp * TILES_PER_SPLIT
@@ -431,8 +464,9 @@ def _prefill_fwd_kernel(
         m, l, acc = _attn_split(q, limit, lo, tile_full, hi, n_ctx, qk_scale,
                                 k_base, v_base, table,
                                 block_size, stride_kt, stride_vt, stride_kb, stride_vb,
+                                k_desc, v_desc, start, desc_col,
                                 PAGED, BLOCK_M, BLOCK_N, HEAD_DIM, TILES_PER_SPLIT, UNMASKED_LOOP,
-                                DOT_FP32, PRECISION)
+                                DOT_FP32, PRECISION, TMA)
         M, L, O = _merge(M, L, O, m, l, acc)
     out = cast_rne(_finalize(O, L), out_ptr.dtype.element_ty, DOT_FP32)
     tl.store(out_ptr + row_t[:, None] * stride_ot + o_head + d[None, :], out,
@@ -446,6 +480,7 @@ def _prefill_fwd_kernel(
 def _decode_fwd_kernel(
     q_ptr,  # [B, Hq, D]
     kc_ptr, vc_ptr,  # [num_blocks, block_size, Hk, D]
+    k_desc, v_desc,  # TMA: descriptors of the caches as [num_blocks * block_size, Hk * D] (else unused)
     table_ptr,  # [B, max_blocks] int32
     ctx_ptr,  # [B] int32
     out_ptr,  # [B, Hq, D] (written when DIRECT)
@@ -455,7 +490,7 @@ def _decode_fwd_kernel(
     stride_tb, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     # Grid (num_splits, Hk * chunks, B), all from static shapes (num_splits from the block
     # table's width): one program per (split, KV head, chunk of its query heads,
@@ -484,9 +519,9 @@ def _decode_fwd_kernel(
     hi = tl.minimum(lo + TILES_PER_SPLIT, n_tiles)
     m, l, acc = _attn_split(q, limit, lo, ctx // BLOCK_N, hi, ctx, qk_scale, k_base, v_base,
                             table_ptr + b * stride_tb, block_size, stride_ks, stride_vs,
-                            stride_kb, stride_vb,
+                            stride_kb, stride_vb, k_desc, v_desc, 0, (kvh * HEAD_DIM).to(tl.int32),
                             True, BLOCK_M, BLOCK_N, HEAD_DIM, TILES_PER_SPLIT, UNMASKED_LOOP,
-                            DOT_FP32, PRECISION)
+                            DOT_FP32, PRECISION, TMA)
     if DIRECT:
         M = tl.full([BLOCK_M], float("-inf"), tl.float32)
         L = tl.zeros([BLOCK_M], tl.float32)
@@ -586,6 +621,33 @@ def launch_prefill_paged(q, k_cache, v_cache, cu_seqlens, block_tables, query_st
                     softmax_scale, config, paged=(block_tables, query_starts))
 
 
+def kv_descriptors(k, v, block_n: int, wanted: bool):
+    """TMA descriptors of K and V as 2-D [rows, Hk * D] with a [block_n, D] box: contiguous
+    [T, Hk, D] by token row, paged caches [num_blocks, block_size, Hk, D] by block-major
+    slot (block * block_size + slot). None where not ``wanted`` or where they cannot run:
+    no descriptor support, a GPU before Hopper, fp32 (FMA dots: left as they are), a
+    head-dim stride other than 1, heads not adjacent, a cache whose blocks are not
+    back to back, a base or row stride not 16-byte aligned."""
+    if not wanted or TensorDescriptor is None or k.dtype == torch.float32:
+        return None
+    if not EMULATE and not (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9):
+        return None
+    hk, dim = k.shape[-2:]
+    size = k.element_size()
+    descs = []
+    for x in (k, v):
+        row = x.stride(-3)
+        if x.dim() == 4 and x.stride(0) != x.shape[1] * row:
+            return None
+        if x.stride(-1) != 1 or x.stride(-2) != dim or (row * size) % 16 or x.data_ptr() % 16:
+            return None
+        rows = x.shape[0] * (x.shape[1] if x.dim() == 4 else 1)
+        if rows == 0:
+            return None
+        descs.append(TensorDescriptor(x, [rows, hk * dim], [row, 1], [block_n, dim]))
+    return tuple(descs)
+
+
 def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax_scale,
                     config: FwdConfig, paged):
     T, hq, dim = q.shape
@@ -606,8 +668,9 @@ def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax
     blocks = max(1, cdiv(max_seqlen, positions)) + (paged is not None)
     units = hq // pack * (num_seqs + 1)
     grid = (units, blocks) if chunk == 0 else (blocks * units,)
+    descs = kv_descriptors(k, v, config.block_n, config.prefill_tma)
     _prefill_fwd_kernel[grid](
-        q, k, v, out, lse if store_lse else out, cu_seqlens, table, starts,
+        q, k, v, *(descs or (k, v)), out, lse if store_lse else out, cu_seqlens, table, starts,
         softmax_scale * LOG2E, hq, hq // hk, num_seqs, T, block_size, blocks,
         q.stride(0), q.stride(1), stride_kp, stride_kh, stride_vp, stride_vh,
         out.stride(0), out.stride(1), lse.stride(0) if store_lse else 0,
@@ -616,7 +679,7 @@ def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax
         TILES_PER_SPLIT=config.kv_split // config.block_n, UNMASKED_LOOP=config.unmasked_loop,
         STORE_LSE=store_lse, PAGED=paged is not None,
         DOT_FP32=EMULATE, PRECISION=_precision(q.dtype), PACK_H=pack, CHUNK=chunk,
-        num_warps=warps, num_stages=config.stages_prefill, enable_fp_fusion=False,
+        TMA=descs is not None, num_warps=warps, num_stages=config.stages_prefill, enable_fp_fusion=False,
     )
 
 
@@ -644,15 +707,16 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, softmax_
                                     config.decode_programs_per_sm)
     part = out if direct else torch.empty(B * hq * num_splits * (dim + 2), dtype=torch.float32,
                                           device=q.device)
+    descs = kv_descriptors(k_cache, v_cache, config.block_n, config.decode_tma)
     _decode_fwd_kernel[(num_splits, hk * cdiv(group, rows), B)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part,
+        q, k_cache, v_cache, *(descs or (k_cache, v_cache)), block_tables, context_lens, out, part,
         softmax_scale * LOG2E, hq, group, rows, block_size, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         TILES_PER_SPLIT=config.kv_split // config.block_n, UNMASKED_LOOP=config.unmasked_loop,
-        DIRECT=direct, DOT_FP32=EMULATE, PRECISION=_precision(q.dtype),
+        DIRECT=direct, DOT_FP32=EMULATE, PRECISION=_precision(q.dtype), TMA=descs is not None,
         num_warps=config.num_warps, num_stages=config.stages_decode, enable_fp_fusion=False,
     )
     if not direct:
