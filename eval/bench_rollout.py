@@ -116,11 +116,28 @@ def _time_engine(llm, kernels: str, shapes, vocab: int) -> dict:
     for batch, new in shapes:
         prompts = make_prompts(batch, vocab)
         params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
+        steps, host = llm.num_steps, dict(llm.step_seconds)
         times[(batch, new)] = _timed(lambda: llm.generate(prompts, params))
         print(f"  {kernels:8s} batch {batch:3d} x {new} tokens: {times[(batch, new)]:.2f} s", flush=True)
+        print(f"  {kernels:8s}   {host_phases(llm, steps, host, times[(batch, new)])}", flush=True)
     if kernels == "compiled":  # a compilation inside the timed runs is in their seconds: say so
         print(f"  compiled: {_compiled_graphs() - graphs} torch.compile graphs built in the timed runs", flush=True)
     return times
+
+
+def host_phases(llm, steps_before: int, seconds_before: dict, wall: float) -> str:
+    """The engine thread's host time per step over one timed run, by phase (the step loop's
+    ``step_seconds``: schedule, launch = inputs staged and the step enqueued, wait = until the
+    sampled tokens are on the host, postprocess), beside the run's wall time per step. With
+    the GPU busy all step, wait ~ GPU time - launch; what is not wait is host time the GPU
+    may sit idle for (the step is synchronous)."""
+    steps = llm.num_steps - steps_before
+    if not steps:
+        return "host phases: no steps"
+    per = {k: (v - seconds_before[k]) / steps * 1e3 for k, v in llm.step_seconds.items()}
+    rest = sum(v for k, v in per.items() if k != "wait")
+    return (f"host phases over {steps} steps, ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
+            + f"; not waiting {rest:.3f}; wall {wall / steps * 1e3:.3f}")
 
 
 def _compiled_graphs() -> int:
