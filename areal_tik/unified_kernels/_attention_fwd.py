@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 import triton
@@ -59,6 +60,7 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,9 +225,13 @@ def _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base, v_base, tile
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     start = t * BLOCK_N
+    if PAGED:
+        # block_size is a multiple of BLOCK_N, so a tile lies inside one cache block.
+        blk = tl.sum(tl.where(tiles == t, ids, 0), axis=0)
+        slot = start % block_size
     if TMA and not MASKED:
         if PAGED:
-            row = tl.sum(tl.where(tiles == t, ids, 0), axis=0) * block_size + start % block_size
+            row = blk * block_size + slot  # < 2^31: kv_descriptors refuses taller views
         else:
             row = desc_row + start
         kT = tl.trans(k_desc.load([row, desc_col]))  # [D, BN]
@@ -233,11 +239,8 @@ def _kv_step(t, q, limit, n_valid, m_i, l_i, acc, qk_scale, k_base, v_base, tile
         return _softmax_tile(q, kT, v, start + n, limit, m_i, l_i, acc, qk_scale, False,
                              BLOCK_M, BLOCK_N, DOT_FP32, PRECISION)
     if PAGED:
-        # block_size is a multiple of BLOCK_N, so a tile lies inside one cache block.
-        blk = tl.sum(tl.where(tiles == t, ids, 0), axis=0).to(tl.int64)
-        slot = tl.cast(start % block_size, tl.int64)
-        k_tile = k_base + blk * stride_k_blk + slot * stride_k_pos
-        v_tile = v_base + blk * stride_v_blk + slot * stride_v_pos
+        k_tile = k_base + blk.to(tl.int64) * stride_k_blk + tl.cast(slot, tl.int64) * stride_k_pos
+        v_tile = v_base + blk.to(tl.int64) * stride_v_blk + tl.cast(slot, tl.int64) * stride_v_pos
     else:
         k_tile = k_base + tl.cast(start, tl.int64) * stride_k_pos
         v_tile = v_base + tl.cast(start, tl.int64) * stride_v_pos
@@ -621,30 +624,50 @@ def launch_prefill_paged(q, k_cache, v_cache, cu_seqlens, block_tables, query_st
                     softmax_scale, config, paged=(block_tables, query_starts))
 
 
+@functools.lru_cache(maxsize=None)
+def _pointer_loads_instead(reason: str) -> None:
+    """Say once per reason that a config asking for TMA loads runs pointer loads (the same
+    bits: scheduling only)."""
+    logger.info("attention: TMA loads asked for, pointer loads used: %s", reason)
+
+
 def kv_descriptors(k, v, block_n: int, wanted: bool):
     """TMA descriptors of K and V as 2-D [rows, Hk * D] with a [block_n, D] box: contiguous
     [T, Hk, D] by token row, paged caches [num_blocks, block_size, Hk, D] by block-major
-    slot (block * block_size + slot). None where not ``wanted`` or where they cannot run:
-    no descriptor support, a GPU before Hopper, fp32 (FMA dots: left as they are), a
-    head-dim stride other than 1, heads not adjacent, a cache whose blocks are not
-    back to back, a base or row stride not 16-byte aligned."""
-    if not wanted or TensorDescriptor is None or k.dtype == torch.float32:
+    slot (block * block_size + slot). None where not ``wanted``, or where they cannot run
+    (then logged once per reason; the pointer loads give the same bits): no descriptor
+    support, a GPU before Hopper, fp32 (FMA dots: left as they are), a head-dim stride
+    other than 1, heads not adjacent, a cache whose blocks are not back to back, a base or
+    row stride not 16-byte aligned, 2^31 rows or more (int32 coordinates), no rows."""
+    if not wanted:
         return None
-    if not EMULATE and not (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9):
-        return None
-    hk, dim = k.shape[-2:]
-    size = k.element_size()
+    reason = None
+    if TensorDescriptor is None:
+        reason = "this triton has no host-side tensor descriptors"
+    elif k.dtype == torch.float32:
+        reason = "fp32 operands"
+    elif not EMULATE and not (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9):
+        reason = "not a Hopper-or-newer GPU"
     descs = []
     for x in (k, v):
+        if reason is not None:
+            break
+        hk, dim = x.shape[-2:]
         row = x.stride(-3)
-        if x.dim() == 4 and x.stride(0) != x.shape[1] * row:
-            return None
-        if x.stride(-1) != 1 or x.stride(-2) != dim or (row * size) % 16 or x.data_ptr() % 16:
-            return None
         rows = x.shape[0] * (x.shape[1] if x.dim() == 4 else 1)
-        if rows == 0:
-            return None
-        descs.append(TensorDescriptor(x, [rows, hk * dim], [row, 1], [block_n, dim]))
+        if x.dim() == 4 and x.stride(0) != x.shape[1] * row:
+            reason = "cache blocks not back to back"
+        elif x.stride(-1) != 1 or x.stride(-2) != dim:
+            reason = "head dim not unit-strided or heads not adjacent"
+        elif (row * x.element_size()) % 16 or x.data_ptr() % 16:
+            reason = "base or row stride not 16-byte aligned"
+        elif not 0 < rows < 2 ** 31:
+            reason = f"{rows} rows (TMA coordinates are int32)"
+        else:
+            descs.append(TensorDescriptor(x, [rows, hk * dim], [row, 1], [block_n, dim]))
+    if reason is not None:
+        _pointer_loads_instead(reason)
+        return None
     return tuple(descs)
 
 
