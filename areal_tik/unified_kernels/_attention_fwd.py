@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
+import warnings
 
 import torch
 import triton
@@ -60,7 +60,6 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,15 +626,16 @@ def launch_prefill_paged(q, k_cache, v_cache, cu_seqlens, block_tables, query_st
 @functools.lru_cache(maxsize=None)
 def _pointer_loads_instead(reason: str) -> None:
     """Say once per reason that a config asking for TMA loads runs pointer loads (the same
-    bits: scheduling only)."""
-    logger.info("attention: TMA loads asked for, pointer loads used: %s", reason)
+    bits: scheduling only). A warning, not a log record: AReaL's logging set-up disables the
+    loggers that exist before it runs."""
+    warnings.warn(f"attention: TMA loads asked for, pointer loads used: {reason}", RuntimeWarning, stacklevel=3)
 
 
 def kv_descriptors(k, v, block_n: int, wanted: bool):
     """TMA descriptors of K and V as 2-D [rows, Hk * D] with a [block_n, D] box: contiguous
     [T, Hk, D] by token row, paged caches [num_blocks, block_size, Hk, D] by block-major
     slot (block * block_size + slot). None where not ``wanted``, or where they cannot run
-    (then logged once per reason; the pointer loads give the same bits): no descriptor
+    (then a RuntimeWarning, once per reason; the pointer loads give the same bits): no descriptor
     support, a GPU before Hopper, fp32 (FMA dots: left as they are), a head-dim stride
     other than 1, heads not adjacent, a cache whose blocks are not back to back, a base or
     row stride not 16-byte aligned, 2^31 rows or more (int32 coordinates), no rows."""
