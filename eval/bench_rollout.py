@@ -117,9 +117,12 @@ def _time_engine(llm, kernels: str, shapes, vocab: int) -> dict:
         prompts = make_prompts(batch, vocab)
         params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
         steps, host = llm.num_steps, dict(llm.step_seconds)
+        decode_steps, decode_host = llm.decode_step_seconds
+        decode_host = dict(decode_host)
         times[(batch, new)] = _timed(lambda: llm.generate(prompts, params))
         print(f"  {kernels:8s} batch {batch:3d} x {new} tokens: {times[(batch, new)]:.2f} s", flush=True)
         print(f"  {kernels:8s}   {host_phases(llm, steps, host, times[(batch, new)])}", flush=True)
+        print(f"  {kernels:8s}   {decode_phases(llm, decode_steps, decode_host)}", flush=True)
     if kernels == "compiled":  # a compilation inside the timed runs is in their seconds: say so
         print(f"  compiled: {_compiled_graphs() - graphs} torch.compile graphs built in the timed runs", flush=True)
     return times
@@ -138,6 +141,20 @@ def host_phases(llm, steps_before: int, seconds_before: dict, wall: float) -> st
     rest = sum(v for k, v in per.items() if k != "wait")
     return (f"host phases over {steps} steps, ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
             + f"; not waiting {rest:.3f}; wall {wall / steps * 1e3:.3f}")
+
+
+def decode_phases(llm, steps_before: int, seconds_before: dict) -> str:
+    """``host_phases`` over the decode-only steps of the run (the prefill step's eager
+    launches left out): what a decode step costs the host, beside the GPU time a profile of
+    one such step gives (``eval.probe_decode_step``)."""
+    total, seconds = llm.decode_step_seconds
+    steps = total - steps_before
+    if not steps:
+        return "decode steps: none"
+    per = {k: (v - seconds_before[k]) / steps * 1e3 for k, v in seconds.items()}
+    rest = sum(v for k, v in per.items() if k != "wait")
+    return (f"decode steps only ({steps}), ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
+            + f"; not waiting {rest:.3f}; sum {rest + per['wait']:.3f}")
 
 
 def _compiled_graphs() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
-#   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_host startup qualify check bench_rollout bench_prefix
+#   stages: env tests bench_ops sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_decode_b<N> probe_decode_latency probe_host startup qualify check check_<model> bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps check_areal_vllm bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
@@ -123,6 +123,14 @@ for s in $STAGES; do case $s in
   # the split environment (vLLM site, the image's transformers, then AReaL's site): ready, a
   # completion with log-probs, a disk weight update, a completion after it (needs deps, vllm_deps)
   check_areal_vllm) run check_areal_vllm 420 env SITE="$SITE" python3 -m eval.check_areal_vllm ;;
+  check_*) m=${s#check_}  # one model of "check" (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b)
+           run "$s" 150 python3 -m areal_tik.cli check --model "$m" --num-prompts 64 --max-new-tokens 256 --no-progress ;;
+  # One decode step of the unified engine under the profiler at batch N x 256 new tokens (kernel
+  # busy time beside the step's host wall; bench_rollout's decode-step phases say the rest)
+  # Paged decode attention alone by context length: hot / cold latency, the one-launch path vs
+  # split + combine, stages and programs per SM, us per dependent tile step (~1-2 min)
+  probe_decode_latency) run probe_decode_latency 240 python3 -m eval.probe_decode_latency; cat "$W/probe_decode_latency.log" ;;
+  probe_decode_b*) run "$s" 200 python3 -m eval.probe_decode_step --batch "${s#probe_decode_b}" --new 256 --kernels unified ;;
   # vLLM (default and VLLM_BATCH_INVARIANT=1, one process each) beside the areal-tik engine,
   # plus vLLM's log-probs against the unified training forward; one model per call.
   # $BENCH_VLLM_ARGS adds flags (e.g. --modes default, --shapes 64x256 256x256).

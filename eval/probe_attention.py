@@ -47,7 +47,7 @@ _D = F.GPU_CONFIG
 _r = dataclasses.replace
 FWD_CANDIDATES = (  # most informative first: the budget may cut the tail
     _D,
-    _r(_D, prefill_tma=True),  # whole K/V tiles through TMA descriptors: scheduling only
+    _r(_D, prefill_tma=False),  # pointer loads of whole K/V tiles (the default before round 5): scheduling only
     _r(_D, kv_split=512),
     _r(_D, kv_split=2048),
     _r(_D, prefill_pack_heads=1, prefill_order_chunk=0),  # the launch before audit a0009 promoted packing
@@ -350,9 +350,10 @@ def aot_main(check: bool) -> int:
         # the chunked launch order, TMA loads), at the default, at one head a program in the
         # default order and with TMA loads: still the decode's core, contiguous and paged
         unpacked = dataclasses.replace(F.GPU_CONFIG, prefill_pack_heads=1, prefill_order_chunk=0)
+        pointers = dataclasses.replace(F.GPU_CONFIG, prefill_tma=False, decode_tma=False)
         tma = dataclasses.replace(F.GPU_CONFIG, prefill_tma=True, decode_tma=True)
         for label, cfg in (("the default launch", F.GPU_CONFIG), ("1 head a program, default order", unpacked),
-                           ("TMA loads of whole K/V tiles", tma)):
+                           ("pointer loads of whole K/V tiles", pointers), ("TMA loads, decode too", tma)):
             for paged in (False, True):
                 same, why = _same_core(cfg, 128, paged=paged)
                 print(f"D=128 prefill, {label}{', paged' if paged else ''} vs decode: core "

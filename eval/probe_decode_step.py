@@ -2,7 +2,7 @@
 (stock) kernels: where the stock engine's time goes. GPU only, about a minute.
 
 Usage (GPU, repo root):
-    python3 -m eval.probe_decode_step [--model qwen3-0.6b] [--batch 128] [--new 64]
+    python3 -m eval.probe_decode_step [--model qwen3-0.6b] [--batch 128] [--new 64] [--kernels unified]
 
 The engine as ``eval.bench_rollout`` builds it for each kernel set (same random model,
 128-token prompts, CUDA graphs at ``--batch``; the standard set over one KV block per
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="qwen3-0.6b", choices=list(RANDOM_INIT))
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--kernels", nargs="+", choices=("unified", "standard"), default=["unified", "standard"])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_decode_step needs a CUDA GPU")
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     kind, key = RANDOM_INIT[args.model]
     hf_model = random_model(published_config(key) if kind == "published" else tiny_config(key), device="cuda", seed=0)
-    for kernels in ("unified", "standard"):
+    for kernels in args.kernels:
         probe(hf_model, kernels, args.batch, args.new)
     return 0
 

@@ -344,7 +344,7 @@ def test_tma_loads_keep_bits(device):
     decode at one and at several splits keep the pointer loads' bits. The descriptors are
     built (the test would otherwise compare the pointer path with itself), and a layout
     they cannot describe (heads not adjacent) falls back to pointers."""
-    base = attention_config()
+    base = dataclasses.replace(attention_config(), prefill_tma=False, decode_tma=False)  # pointer loads
     tma = dataclasses.replace(base, prefill_tma=True, decode_tma=True)
     lengths = [70, 5, 100]
     q, k, v, cu = _tma_cases(device, lengths, 4, 2, 16, seed=50)
@@ -824,7 +824,7 @@ def test_gpu_tma_loads_keep_bits(hq, hk, dim):
     packed prefill with the training LSE (q, k, v views of one fused projection, as the
     model lays them out), paged chunks of a prompt, and paged decode at one and at
     several KV splits over shuffled, poisoned blocks."""
-    base = attention_config()
+    base = dataclasses.replace(attention_config(), prefill_tma=False, decode_tma=False)  # pointer loads
     tma = dataclasses.replace(base, prefill_tma=True, decode_tma=True)
     lengths = [1, 100, 129, 1000, 2049, 3000]
     q, k, v, cu = _tma_cases("cuda", lengths, hq, hk, dim, seed=142)

@@ -114,6 +114,11 @@ class LLM:
         return self.loop.step_seconds
 
     @property
+    def decode_step_seconds(self) -> tuple[int, dict[str, float]]:
+        """(steps, host seconds by phase) over the steps that only decode."""
+        return self.loop.num_decode_steps, self.loop.decode_step_seconds
+
+    @property
     def step_counts(self):
         """``StepCounts``: steps by kind (prefill / mixed / decode) and decode launches by
         the CUDA-graph bucket they pad to."""

@@ -36,6 +36,7 @@ from .tensor_parallel import LocalView
 
 logger = logging.getLogger(__name__)
 
+_PHASES = ("schedule", "launch", "wait", "postprocess")
 _WAKE = object()          # inbox item that only wakes the loop (close)
 _IDLE_WAIT_S = 0.5        # longest block on an empty inbox before re-checking state
 _PAUSED_POLL_S = 0.05     # while paused: how often cancelled requests are reaped
@@ -74,8 +75,11 @@ class StepLoop:
         self.num_steps = 0
         # Host seconds per phase of all steps, to attribute per-step overhead: "schedule"
         # (reaping + scheduling), "launch" (inputs + forward + sampling enqueued), "wait"
-        # (until the sampled tokens are on the host), "postprocess" (bookkeeping + futures).
-        self.step_seconds = dict.fromkeys(("schedule", "launch", "wait", "postprocess"), 0.0)
+        # (until the sampled tokens are on the host), "postprocess" (bookkeeping + futures);
+        # the same over the steps that only decode (no prompt chunk), and their count.
+        self.step_seconds = dict.fromkeys(_PHASES, 0.0)
+        self.decode_step_seconds = dict.fromkeys(_PHASES, 0.0)
+        self.num_decode_steps = 0
 
     # ------------------------------------------------------------------ front-door calls
 
@@ -234,14 +238,21 @@ class StepLoop:
         if not seqs:
             assert not self.scheduler.has_work(), "scheduler has work but scheduled nothing"
             return
-        timing = self.step_seconds
-        timing["schedule"] += time.perf_counter() - start
+        timing = dict.fromkeys(_PHASES, 0.0)
+        timing["schedule"] = time.perf_counter() - start
         result = self.runner.run(seqs, is_prefill, timing)
         self.num_steps += 1
         start = time.perf_counter()
         for seq in self.scheduler.postprocess(seqs, result.tokens, result.logprobs, self.version):
             self._complete(seq)
-        timing["postprocess"] += time.perf_counter() - start
+        timing["postprocess"] = time.perf_counter() - start
+        totals = [self.step_seconds]
+        if not is_prefill:  # the scheduler's flag: no prompt chunk in this step
+            totals.append(self.decode_step_seconds)
+            self.num_decode_steps += 1
+        for total in totals:
+            for phase, seconds in timing.items():
+                total[phase] += seconds
 
     def _break(self, exc: BaseException) -> None:
         logger.error("engine step loop failed; failing every pending request", exc_info=exc)

@@ -147,8 +147,14 @@ class FwdConfig:
 # since the agent-driven search promoted that launch (2026-12-07, H100 80GB, code 7730c1e,
 # run eval/results/2026-12-07_h100_7730c1e/: candidate c0007, audit a0009, T(root)/T 1.060 on
 # the 48 workloads, none over the 1.05 cap; bits equal to the root's, scheduling only).
+# Prefill and training load whole K/V tiles through TMA descriptors (prefill_tma) since round 5
+# promoted it on that root (2026-12-07, H100 80GB, code eb9edf2, run
+# eval/results/2026-12-07_h100_eb9edf2/agent_round5/: candidate c0001, audit a0003, T(root)/T
+# 1.020, largest workload ratio 1.023; decode's TMA loads stay off: round 4 measured them up to
+# 1.46x slower).
 GPU_CONFIG = FwdConfig(block_m=64, block_n=64, num_warps=4, kv_split=1024, stages_prefill=3,
-                       stages_decode=3, prefill_subtiles=2, prefill_pack_heads=2, prefill_order_chunk=8)
+                       stages_decode=3, prefill_subtiles=2, prefill_pack_heads=2, prefill_order_chunk=8,
+                       prefill_tma=True)
 # Interpreter: tiny tiles and a short split, so CPU tests cross several tiles and splits
 # (and prefill runs 2 sub-tiles like the GPU default).
 INTERP_CONFIG = FwdConfig(block_m=16, block_n=16, num_warps=4, kv_split=32, stages_prefill=1,
@@ -631,23 +637,26 @@ def _pointer_loads_instead(reason: str) -> None:
     warnings.warn(f"attention: TMA loads asked for, pointer loads used: {reason}", RuntimeWarning, stacklevel=3)
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def kv_descriptors(k, v, block_n: int, wanted: bool):
     """TMA descriptors of K and V as 2-D [rows, Hk * D] with a [block_n, D] box: contiguous
     [T, Hk, D] by token row, paged caches [num_blocks, block_size, Hk, D] by block-major
-    slot (block * block_size + slot). None where not ``wanted``, or where they cannot run
-    (then a RuntimeWarning, once per reason; the pointer loads give the same bits): no descriptor
-    support, a GPU before Hopper, fp32 (FMA dots: left as they are), a head-dim stride
-    other than 1, heads not adjacent, a cache whose blocks are not back to back, a base or
-    row stride not 16-byte aligned, 2^31 rows or more (int32 coordinates), no rows."""
-    if not wanted:
+    slot (block * block_size + slot). None where not ``wanted``, or where they cannot run;
+    the pointer loads give the same bits. Silently (the knob is a preference, on by default,
+    and these are properties of the run, not of the caller's layout): no descriptor support,
+    a GPU before Hopper, fp32 (FMA dots: left as they are). With a RuntimeWarning once per
+    reason (a layout the caller could change): a head-dim stride other than 1, heads not
+    adjacent, a cache whose blocks are not back to back, a base or row stride not 16-byte
+    aligned, 2^31 rows or more (int32 coordinates), no rows."""
+    if not wanted or TensorDescriptor is None or k.dtype == torch.float32:
+        return None
+    if not EMULATE and not (k.is_cuda and _hopper_or_newer(k.device.index)):
         return None
     reason = None
-    if TensorDescriptor is None:
-        reason = "this triton has no host-side tensor descriptors"
-    elif k.dtype == torch.float32:
-        reason = "fp32 operands"
-    elif not EMULATE and not (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9):
-        reason = "not a Hopper-or-newer GPU"
     descs = []
     for x in (k, v):
         if reason is not None:
