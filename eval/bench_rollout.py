@@ -42,6 +42,7 @@ from eval.harness import run_info, write_csv  # noqa: E402
 
 from areal_tik.cli import RANDOM_INIT  # noqa: E402
 from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from areal_tik.engine.gpu_clock import GpuClock  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.ops import compiled_standard_ops, one_block_per_sequence  # noqa: E402
 
@@ -119,10 +120,14 @@ def _time_engine(llm, kernels: str, shapes, vocab: int) -> dict:
         steps, host = llm.num_steps, dict(llm.step_seconds)
         decode_steps, decode_host = llm.decode_step_seconds
         decode_host = dict(decode_host)
+        clock = llm.runner.gpu_clock = GpuClock() if torch.cuda.is_available() else None
         times[(batch, new)] = _timed(lambda: llm.generate(prompts, params))
+        llm.runner.gpu_clock = None
         print(f"  {kernels:8s} batch {batch:3d} x {new} tokens: {times[(batch, new)]:.2f} s", flush=True)
         print(f"  {kernels:8s}   {host_phases(llm, steps, host, times[(batch, new)])}", flush=True)
         print(f"  {kernels:8s}   {decode_phases(llm, decode_steps, decode_host)}", flush=True)
+        if clock is not None:
+            print(f"  {kernels:8s}   {gpu_clock_line(clock)}", flush=True)
     if kernels == "compiled":  # a compilation inside the timed runs is in their seconds: say so
         print(f"  compiled: {_compiled_graphs() - graphs} torch.compile graphs built in the timed runs", flush=True)
     return times
@@ -155,6 +160,14 @@ def decode_phases(llm, steps_before: int, seconds_before: dict) -> str:
     rest = sum(v for k, v in per.items() if k != "wait")
     return (f"decode steps only ({steps}), ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
             + f"; not waiting {rest:.3f}; sum {rest + per['wait']:.3f}")
+
+
+def gpu_clock_line(clock) -> str:
+    """``GpuClock``'s figures: the GPU span of a decode step and the idle gap between two."""
+    c = clock.summary()
+    return (f"GPU clock over {c['steps']} decode steps: span {c['span_ms']:.3f} ms a step (staged inputs "
+            f"to results on the host), idle {c['idle_ms']:.3f} ms between consecutive ones "
+            f"({c['gaps']} gaps: host time beyond the GPU's)")
 
 
 def _compiled_graphs() -> int:

@@ -4,7 +4,7 @@ import re
 import time
 
 from areal_tik.engine import SamplingParams
-from eval.bench_rollout import decode_phases, host_phases
+from eval.bench_rollout import decode_phases, gpu_clock_line, host_phases
 from tests._engine_utils import hf_small, prompts_of, small_engine, unified  # noqa: F401  (fixtures)
 
 
@@ -42,3 +42,37 @@ def test_decode_phases_count_only_the_decode_steps(unified):  # noqa: F811
     total = {k: float(v) for k, v in re.findall(r"(\w+) (\d+\.\d+)", total_line)}
     # the decode steps' seconds are part of all five steps' (per step: 4 x decode <= 5 x all)
     assert 4 * per["launch"] <= 5 * total["launch"] + 1e-6, (line, total_line)
+
+
+class _HostEvent:
+    """A CUDA event's interface on the host clock: on CPU every "stream" is idle, so an event
+    completes when recorded, as ``GpuClock`` expects of an idle GPU."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_gpu_clock_times_decode_steps_and_the_gaps_between_them(unified):  # noqa: F811
+    from areal_tik.engine.gpu_clock import GpuClock
+    with small_engine(unified) as llm:
+        llm.generate(prompts_of([3]), SamplingParams(max_new_tokens=2, ignore_eos=True))
+        clock = llm.runner.gpu_clock = GpuClock(_HostEvent)
+        steps, seconds = llm.decode_step_seconds
+        seconds = dict(seconds)
+        llm.generate(prompts_of([4, 6]), SamplingParams(max_new_tokens=5, ignore_eos=True))
+        llm.runner.gpu_clock = None
+        decode = {k: float(v) for k, v in re.findall(r"(\w+) (\d+\.\d+)", decode_phases(llm, steps, seconds))}
+        llm.generate(prompts_of([4]), SamplingParams(max_new_tokens=3, ignore_eos=True))  # not timed
+    c = clock.summary()
+    # the prefill step breaks the chain: 4 decode steps, 3 gaps between consecutive ones
+    assert (c["steps"], c["gaps"]) == (4, 3), c
+    # a span lies inside its step's launch + wait; a gap covers postprocess + schedule at least
+    assert 0 < c["span_ms"] <= decode["launch"] + decode["wait"] + 1e-3, (c, decode)
+    assert c["idle_ms"] >= 0.5 * (decode["postprocess"] + decode["schedule"]), (c, decode)
+    assert "4 decode steps" in gpu_clock_line(clock) and "3 gaps" in gpu_clock_line(clock)

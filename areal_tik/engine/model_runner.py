@@ -134,6 +134,7 @@ class ModelRunner:
             sizes, table_widths(config.max_blocks_per_seq, getattr(model, "kernels", None)))
         self.step_counts = StepCounts()
         self.graph_sampled = 0  # decode steps whose tokens and log-probs a graph drew
+        self.gpu_clock = None  # a ``GpuClock`` when a caller times decode steps on the GPU
         self.decode_inputs = DecodeInputs(config.max_num_seqs, config.max_blocks_per_seq,
                                           self.block_manager, self.device)
         self._init_result_buffers(config.max_num_seqs)
@@ -260,6 +261,10 @@ class ModelRunner:
         kind = step_kind(prefill, decode)
         bucket = self.graph_bucket(len(decode)) if decode else None
         self.step_counts.add(kind, (bucket or 0) if decode else None)
+        clock = self.gpu_clock
+        if clock is not None and kind != "decode":
+            clock.break_chain()
+            clock = None
         parts = []
         if prefill:
             hidden = self._prefill(prefill)
@@ -267,7 +272,7 @@ class ModelRunner:
             if done:
                 parts.append(self.sample(hidden, done))
         if decode:
-            hidden, sampled = self._decode(decode, bucket)
+            hidden, sampled = self._decode(decode, bucket, clock)
             parts.append(sampled if sampled is not None
                          else self.sample(hidden, decode, self.decode_inputs.sample_keys(len(decode))))
         n = sum(p[0].shape[0] for p in parts)
@@ -284,6 +289,8 @@ class ModelRunner:
         if out is not self._result_host and n:
             self._result_host[:2 * n].copy_(out[:2 * n])  # blocking: waits for the step
         values = self._result_np[:2 * n]
+        if clock is not None:
+            clock.stop()
         if timing is not None:
             now = time.perf_counter()
             timing["launch"] += launched - start
@@ -313,16 +320,21 @@ class ModelRunner:
         depends on the batch size alone, never on the step's prefill chunks."""
         return self.decode_graphs.bucket(batch)
 
-    def _decode(self, seqs: list[Sequence], bucket: int | None):
-        """(hidden [B, H], (tokens, log-probs) when a graph drew them for every row, else None)."""
+    def _decode(self, seqs: list[Sequence], bucket: int | None, clock=None):
+        """(hidden [B, H], (tokens, log-probs) when a graph drew them for every row, else None).
+        ``clock``: a ``GpuClock`` started once the inputs are staged."""
         batch = len(seqs)
         staging = self.decode_inputs
         width = max(len(s.block_table) for s in seqs)
         key = self.decode_graphs.key(bucket, width)
         if key is None:  # above the plan, or nothing captured (CPU, failed capture)
             staging.stage(seqs, batch)
+            if clock is not None:
+                clock.start()
             return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width)), None
         staging.stage(seqs, bucket)  # the graph reads the staging buffer's device views
+        if clock is not None:
+            clock.start()
         out = self.decode_graphs.replay(key, batch)
         if not isinstance(out, tuple):
             return out, None

@@ -2,11 +2,17 @@
 
 GPU: each impl's call is captured once per workload in a CUDA graph (``calls`` calls
 when one is short, so launch gaps do not dominate a 10 us decode) and timed by CUDA
-events around ``reps`` replays; kernel time only, no host launch cost. Before each round
-the inputs are rewritten in place (new random contents, same pointers: the graphs read
-them), the impls run in a random order, and every impl's outputs are then compared bit
-for bit with the reference impl's (an impl timed on less work, or on stale data, fails
-here). With ``l2_flush`` each replay is preceded by a 256 MiB write, outside the events.
+events around ``reps`` replays; kernel time only, no host launch cost, reported per call
+(a replay's time / ``calls``). Runs recorded before this was fixed (2026-12-07) carry a
+replay's time: ``calls`` (1-32, from a one-call estimate that includes the host launch)
+times the call. Their ratios hold (every impl of a workload is timed on the same
+``calls``); their absolute us do not, and a workload could move between runs by a whole
+factor of calls (decode b1 x 1K: 45 vs 65 us for a 21.5 us kernel,
+``eval/probe_decode_latency.py``). Before each round the inputs are rewritten in place
+(new random contents, same pointers: the graphs read them), the impls run in a random
+order, and every impl's outputs are then compared bit for bit with the reference impl's
+(an impl timed on less work, or on stale data, fails here). With ``l2_flush`` each
+replay is preceded by a 256 MiB write, outside the events.
 CPU (tests only): wall clock around eager calls; the numbers carry no meaning.
 """
 from __future__ import annotations
@@ -28,6 +34,7 @@ class _Runner:
 
     def __init__(self, op, impl, w, inputs, device, calls: int):
         self.device = device
+        self.calls = calls if device.type == "cuda" else 1
         if device.type != "cuda":
             self.outputs = op.call(impl, w, inputs)
             self.run = lambda: setattr(self, "outputs", op.call(impl, w, inputs))
@@ -61,7 +68,7 @@ def _elapsed_us(runner: _Runner, reps: int, flush) -> float:
         end.record()
         end.synchronize()
         total += start.elapsed_time(end) * 1e3
-    return total / reps
+    return total / (reps * runner.calls)
 
 
 def _estimate_us(op, impl, w, inputs, device) -> float:
@@ -79,7 +86,8 @@ def _estimate_us(op, impl, w, inputs, device) -> float:
 
 def paired(op, impls: dict, workloads, device, *, reference: str, rounds: int = 3, seed: int = 0,
            l2_flush: bool = False, target_us: float = 2000.0) -> tuple[dict, list]:
-    """Median us per call of every impl on every workload, and the bit mismatches.
+    """Median us per call of every impl on every workload (a CUDA graph replay of several
+    calls, divided by their number), and the bit mismatches.
 
     Returns ({workload: {impl name: us}}, [failure messages]); an impl whose outputs
     differ from ``reference``'s (or that crashes) is reported and not timed further."""
