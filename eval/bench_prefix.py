@@ -146,8 +146,11 @@ def recipe_lengths(groups: int, scale: float = 1.0, seed: int = 7) -> list[int]:
 
 
 def engine_config(sizes, max_len: int, max_seqs: int, **extra) -> EngineConfig:
+    # Serial steps (overlap_steps off unless asked): ``StepTimer`` times each step's
+    # ``runner.run``, which an overlapped decode step does not go through.
     block = sizes["block"]
     blocks = max_seqs * -(-max_len // block) + 1
+    extra.setdefault("overlap_steps", False)
     return EngineConfig(max_num_seqs=max_seqs, max_model_len=max_len, kv_block_size=block,
                         num_kv_blocks=extra.pop("num_kv_blocks", blocks),
                         max_num_batched_tokens=max(max_len, 16384), **extra)

@@ -50,7 +50,7 @@ PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
-BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler")
+BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler", "unified-serial")
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
 
 
@@ -90,12 +90,14 @@ def engine_config(shapes, block: int = 64, **options) -> EngineConfig:
 def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops ("compiled": the
     standard set with its elementwise ops compiled)."""
-    ops = {"compiled": compiled_standard_ops(), "unified-eager-sampler": "unified"}.get(kernels, kernels)
+    ops = {"compiled": compiled_standard_ops(), "unified-eager-sampler": "unified",
+           "unified-serial": "unified"}.get(kernels, kernels)
     model = UnifiedCausalLM.from_hf(hf_model, kernels=ops)
     # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
     # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
     block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if model.kernels == "standard" else 64
-    options = {"graph_sample_temperature": None} if kernels == "unified-eager-sampler" else {}
+    options = {"unified-eager-sampler": {"graph_sample_temperature": None},
+               "unified-serial": {"overlap_steps": False}}.get(kernels, {})
     with LLM(model, engine_config(shapes, block, **options)) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
@@ -224,7 +226,8 @@ def ratio_rows(model_name, results, info) -> list[dict]:
         pairs = (("unified/standard", "standard", "unified"), ("unified/hf", "hf", "unified"),
                  ("standard/hf", "hf", "standard"), ("unified/compiled", "compiled", "unified"),
                  ("compiled/standard", "standard", "compiled"),
-                 ("unified/unified-eager-sampler", "unified-eager-sampler", "unified"))
+                 ("unified/unified-eager-sampler", "unified-eager-sampler", "unified"),
+                 ("unified/unified-serial", "unified-serial", "unified"))
         for name, slow, fast in pairs:
             if slow in results and fast in results:
                 rows.append(dict(base, backend=name, metric="speedup",
@@ -234,13 +237,13 @@ def ratio_rows(model_name, results, info) -> list[dict]:
 
 def summarize(results) -> None:
     print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
-          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8}")
+          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8} {'uni/serial':>8}")
     for shape in results["unified"]:
         batch, new = shape
         rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
         uni = results["unified"][shape]
         ratios = " ".join(f"{results[b][shape] / uni:8.2f}" if shape in results.get(b, {}) else f"{'-':>8}"
-                          for b in ("standard", "hf", "compiled", "unified-eager-sampler"))
+                          for b in ("standard", "hf", "compiled", "unified-eager-sampler", "unified-serial"))
         print(f"{batch:5d} {new:4d} {rates} {ratios}")
 
 

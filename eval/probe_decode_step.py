@@ -34,7 +34,8 @@ def probe(hf_model, kernels: str, batch: int, new: int) -> None:
     shapes = [(batch, new)]
     block = one_block_per_sequence(PROMPT_LEN + new) if kernels == "standard" else 64
     vocab = hf_model.config.vocab_size
-    with LLM(model, engine_config(shapes, block)) as llm:
+    # serial steps: the profiled step is one ``runner.run`` (an overlapped step is not)
+    with LLM(model, engine_config(shapes, block, overlap_steps=False)) as llm:
         print(f"{kernels}: decode attention {llm.runner.decode_attention}", flush=True)
         params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True)
         llm.generate(make_prompts(batch, vocab, 1), params)  # compiles, captures

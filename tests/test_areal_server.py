@@ -203,8 +203,8 @@ def test_remote_versions_come_from_the_server(remote, tmp_path, monkeypatch):
     repo = name_resolve.NfsNameRecordRepository(record_root=str(tmp_path / "names"))
     monkeypatch.setattr(name_resolve, "wait", repo.wait)
     repo.add(names.update_weights_from_disk("tik-server-test", "t0", engine.get_version()), str(time.time()))
-    run = llm.runner.run
-    monkeypatch.setattr(llm.runner, "run", lambda *a: (time.sleep(0.02), run(*a))[1])  # slow steps
+    launch = llm.runner.launch
+    monkeypatch.setattr(llm.runner, "launch", lambda *a: (time.sleep(0.02), launch(*a))[1])  # slow steps
     box = {}
     thread = threading.Thread(target=lambda: box.setdefault(
         "resp", asyncio.run(engine.agenerate(areal_request(PROMPTS[2], max_new_tokens=40)))))

@@ -63,3 +63,39 @@ def test_every_decode_input_starts_16_byte_aligned(max_bs):
     assert len(views) == 7
     for name, view in views.items():
         assert view.data_ptr() % 16 == 0, (name, view.data_ptr() - staging._dev.data_ptr())
+
+
+def test_staging_rewrites_a_table_row_whenever_its_table_changed():
+    # The host rows keep the tables written at the previous step and are rewritten only when
+    # a row's table differs (another list, or the same list grown in place): over steps that
+    # grow tables across blocks, reorder and drop rows, and free and reallocate a sequence
+    # (a new list of the same length), every staged table equals the sequence's own.
+    from areal_tik.engine.block_manager import SCRATCH_BLOCK
+    from areal_tik.engine.decode_inputs import DecodeInputs
+    rng = random.Random(1)
+    blocks = BlockManager(200, 4)
+    staging = DecodeInputs(6, 16, blocks, torch.device("cpu"))
+    seqs = []
+    for i in range(6):
+        seq = Sequence(i, [rng.randrange(5, 50) for _ in range(rng.randint(1, 9))], SamplingParams(), i)
+        blocks.allocate(seq)
+        seqs.append(seq)
+    rewrites = 0
+    for step in range(40):
+        for seq in seqs:
+            seq.append(rng.randrange(5, 50), -1.0, 0)
+            assert blocks.try_append_slot(seq)
+        if step % 7 == 3:  # free and reallocate one: a new list, maybe the same length
+            seq = rng.choice(seqs)
+            blocks.free(seq)
+            blocks.allocate(seq)
+        batch = rng.sample(seqs, rng.randint(1, 6))  # another order, some rows dropped
+        rows = rng.randint(len(batch), 6)
+        before = staging._np_tables.copy()
+        staging.stage(batch, rows)
+        rewrites += int((before != staging._np_tables).any())
+        got = staging.model_inputs(rows)
+        want = [s.block_table + [SCRATCH_BLOCK] * (16 - len(s.block_table)) for s in batch]
+        assert got["block_tables"].tolist() == want + [[SCRATCH_BLOCK] * 16] * (rows - len(batch)), step
+        assert got["slot_mapping"][:len(batch)].tolist() == [blocks.slot(s, s.num_tokens - 1) for s in batch]
+    assert rewrites > 0

@@ -49,11 +49,23 @@ def _plant_schedule(llm, exc):
 
 
 def _plant_postprocess(llm, exc):
-    llm.scheduler.postprocess = fail_on_call(llm.scheduler.postprocess, 3, exc)
+    # A step's results reach the sequences through postprocess, or fill_pending for a step
+    # enqueued with overlap: the fault fires at the 3rd call of either.
+    calls = [0]
+
+    def count(fn):
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] >= 3:
+                raise exc
+            return fn(*args, **kwargs)
+        return wrapped
+    llm.scheduler.postprocess = count(llm.scheduler.postprocess)
+    llm.scheduler.fill_pending = count(llm.scheduler.fill_pending)
 
 
 def _plant_runner(llm, exc):
-    llm.runner.run = fail_on_call(llm.runner.run, 3, exc)
+    llm.runner.launch = fail_on_call(llm.runner.launch, 3, exc)  # the loop's entry to the runner
 
 
 def _plant_assert(llm, exc):
@@ -119,13 +131,13 @@ def test_pause_returns_only_once_stepping_has_stopped(standard):
     with small_engine(standard, max_num_seqs=4, max_model_len=256) as llm:
         pause_returned = threading.Event()
         started_while_paused = []
-        run = llm.runner.run
+        launch = llm.runner.launch
 
         def watched(*args):
             if pause_returned.is_set():
                 started_while_paused.append(llm.num_steps)
-            return run(*args)
-        llm.runner.run = watched
+            return launch(*args)
+        llm.runner.launch = watched
         futures = [llm.submit(p, SamplingParams(max_new_tokens=240, ignore_eos=True)) for p in prompts_of([3, 4])]
         for cycle in range(300):
             llm.pause()

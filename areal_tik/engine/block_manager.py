@@ -81,10 +81,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def _hashes(self, seq: Sequence) -> list[bytes]:
-        """Chain hashes of ``seq``'s full blocks (extended as its tokens grow)."""
+    def _hashes(self, seq: Sequence, blocks: int | None = None) -> list[bytes]:
+        """Chain hashes of ``seq``'s full blocks (extended as its tokens grow), of its first
+        ``blocks`` at least when given (``register``: only blocks with K/V, never one holding
+        an overlapped step's pending token)."""
         hashes, bs, tokens = seq.block_hashes, self.block_size, seq.token_ids
-        for i in range(len(hashes), len(tokens) // bs):
+        for i in range(len(hashes), len(tokens) // bs if blocks is None else blocks):
             h = hashlib.blake2b(hashes[i - 1] if i else b"", digest_size=16)
             h.update(array("q", tokens[i * bs:(i + 1) * bs]).tobytes())
             hashes.append(h.digest())
@@ -118,7 +120,7 @@ class BlockManager:
             self._release_pending(seq)
             seq.num_registered_blocks = full
             return
-        hashes, table = self._hashes(seq), seq.block_table
+        hashes, table = self._hashes(seq, full), seq.block_table
         for i in range(seq.num_registered_blocks, full):
             h, block = hashes[i], table[i]
             if seq.pending_hashes and seq.pending_hashes[0] == h:

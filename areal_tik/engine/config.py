@@ -65,6 +65,14 @@ class EngineConfig:
              "hidden states, the graph's own draw then wasted. None: the graphs end at the hidden "
              "states (for engines whose requests mostly sample otherwise). Same bits either way; "
              "off with vocab_parallel (its sampler gathers across ranks).")
+    overlap_steps: bool = _option(
+        True, "Enqueue the next decode step before reading this one's tokens: its input tokens are "
+              "copied on the device from this step's draw, and the host's bookkeeping of this step "
+              "(appending tokens, stop checks, futures) runs while the GPU computes the next. Only "
+              "between decode-only steps with nothing to admit, no preemption possible, and no "
+              "sequence ending on its length at the step in flight; not with chunked prefill or "
+              "tensor parallelism. A sequence that stops on a stop token has one wasted row in the "
+              "step already enqueued. Same bits and outputs either way.")
     compile_at_start: bool = _option(
         True, "Unified kernels on a GPU: compile every Triton kernel variant rollout launches (prefill "
               "up to the token budget, paged prefill, decode, sampling) when the engine starts, so no "
@@ -122,6 +130,8 @@ class EngineConfig:
             self.graph_sample_temperature = t
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.overlap_steps, bool):
+            raise TypeError(f"overlap_steps must be a bool, got {self.overlap_steps!r}")
         _check_int("max_graph_batch_size", self.max_graph_batch_size, minimum=1, allow_none=True)
         if self.cuda_graph_sizes is not None:
             sizes = tuple(sorted(set(self.cuda_graph_sizes)))

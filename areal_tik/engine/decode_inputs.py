@@ -53,6 +53,13 @@ class DecodeInputs:
         self._np64 = host[:10 * pad].view(np.int64).reshape(5, pad)
         self._np_ctx = host[10 * pad:10 * pad + max_bs]
         self._np_tables = host[11 * pad:].reshape(max_bs, width)
+        # Which block-table list each host row holds, and its length then: a table only ever
+        # grows in place (a new block appended) or is replaced by a new list (allocation,
+        # free), so the same list at the same length means the row is already written. The
+        # references keep the lists alive, so an identity is never a recycled one.
+        self._row_tables: list[list[int] | None] = [None] * max_bs
+        self._row_widths = [0] * max_bs
+        self._rows = np.arange(max_bs)
         self._fill_padding(0, max_bs)
         self._bind_device_views()
 
@@ -74,28 +81,37 @@ class DecodeInputs:
         counters[start:end] = 0
         self._np_ctx[start:end] = 1
         self._np_tables[start:end] = SCRATCH_BLOCK
+        self._row_tables[start:end] = [None] * (end - start)
 
-    def stage(self, seqs: list[Sequence], rows: int) -> None:
-        """Write ``seqs`` into rows [0, len(seqs)), padding up to ``rows``; copy to the device."""
+    def stage(self, seqs: list[Sequence], rows: int, pending=None) -> None:
+        """Write ``seqs`` into rows [0, len(seqs)), padding up to ``rows``; copy to the device.
+        ``pending`` = (device tokens [m] of a step not read yet, for each row of ``seqs`` the
+        index of its input token there or None): those input tokens are copied on the device."""
         n = len(seqs)
         assert n <= rows <= self.max_bs, (n, rows, self.max_bs)
         if self._copied is not None:
             self._copied.synchronize()  # already complete unless the last step failed early
         block_size = self.blocks.block_size
         ids, positions, slots, keys, counters = self._np64
-        tables = self._np_tables
-        tables[:rows] = SCRATCH_BLOCK
-        lens = [s.num_tokens for s in seqs]
-        for i, (seq, length) in enumerate(zip(seqs, lens)):
+        tables, row_tables, row_widths = self._np_tables, self._row_tables, self._row_widths
+        for i, seq in enumerate(seqs):  # rewrite only the rows whose table changed
             table = seq.block_table
-            tables[i, :len(table)] = table
-            position = length - 1
-            slots[i] = table[position // block_size] * block_size + position % block_size
-        ids[:n] = [s.token_ids[-1] for s in seqs]
-        positions[:n] = lens
-        positions[:n] -= 1
+            if row_tables[i] is not table or row_widths[i] != len(table):
+                tables[i, :len(table)] = table
+                tables[i, len(table):] = SCRATCH_BLOCK
+                row_tables[i], row_widths[i] = table, len(table)
+        token_ids = [s.token_ids for s in seqs]
+        lens = [len(t) for t in token_ids]
+        ids[:n] = [t[-1] for t in token_ids]
+        position = positions[:n]
+        position[:] = lens
+        position -= 1
+        slots[:n] = tables[self._rows[:n], position // block_size]
+        slots[:n] *= block_size
+        slots[:n] += position % block_size
         keys[:n] = [s.sample_key for s in seqs]
-        counters[:n] = [s.num_output_tokens for s in seqs]
+        counters[:n] = [len(s.prompt_ids) for s in seqs]
+        np.subtract(lens, counters[:n], out=counters[:n])
         self._np_ctx[:n] = lens
         if rows > n:
             self._fill_padding(n, rows)
@@ -104,6 +120,26 @@ class DecodeInputs:
             self._dev[:end].copy_(self._host[:end], non_blocking=True)
             if self._copied is not None:
                 self._copied.record()
+        if pending is not None:
+            self._copy_pending_ids(*pending)
+
+    def _copy_pending_ids(self, tokens: torch.Tensor, src: list) -> None:
+        """input_ids[i] = tokens[src[i]] for the rows with a source (stream-ordered after the
+        staging copy): one slice copy when row i takes token i for a prefix, else an index copy."""
+        ids = self._rows64["input_ids"]
+        m = 0
+        while m < len(src) and src[m] == m:
+            m += 1
+        if m and all(s is None for s in src[m:]):
+            ids[:m].copy_(tokens[:m])  # fp64 -> int64: token ids < 2^53 are exact
+            return
+        dst = [i for i, s in enumerate(src) if s is not None]
+        if not dst:
+            return
+        index = torch.tensor([dst, [src[i] for i in dst]], dtype=torch.int64)
+        if ids.is_cuda:
+            index = index.pin_memory().to(ids.device, non_blocking=True)
+        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(torch.int64))
 
     def model_inputs(self, rows: int, width: int | None = None) -> dict:
         """The ``decode`` keyword arguments: device views of rows [0, rows), ``width`` table columns."""

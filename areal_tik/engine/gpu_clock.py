@@ -12,8 +12,11 @@ host's moment, and for two consecutive decode steps
 
 ``idle`` is the host overhead a step adds beyond the GPU time (what overlapping the next
 step's host work with this step's kernels would hide). The gap after a prefill or mixed
-step is not counted: ``break_chain`` drops the previous end. Off unless a caller installs
-one (``ModelRunner.gpu_clock``): two event records and one ``elapsed_time`` read a step.
+step is not counted: ``break_chain`` drops the previous end. With overlapped steps
+(``EngineConfig.overlap_steps``) step n + 1 is enqueued before step n's results are read;
+its start event then completes when the GPU reaches it, after step n, so ``idle`` stays
+the GPU's wait. Off unless a caller installs one (``ModelRunner.gpu_clock``): two event
+records and two ``elapsed_time`` reads a step.
 """
 from __future__ import annotations
 
@@ -28,35 +31,33 @@ class GpuClock:
             def event_factory():
                 return torch.cuda.Event(enable_timing=True)
         self._new = event_factory
-        self._start = None
         self._prev_end = None
         self.steps = 0          # decode steps with a span
         self.span_ms = 0.0
         self.gaps = 0           # pairs of consecutive decode steps
         self.idle_ms = 0.0
 
-    def start(self) -> None:
-        """Before the step's forward is enqueued (its inputs already staged)."""
-        self._start = self._new()
-        self._start.record()
+    def mark(self):
+        """An event recorded now on the current stream: a step's start (its inputs staged,
+        before its forward is enqueued) or end (after its results' copy back is enqueued)."""
+        event = self._new()
+        event.record()
+        return event
 
-    def stop(self) -> None:
-        """After the step's results are on the host (the stream is idle: no wait here)."""
-        if self._start is None:
-            return
-        end = self._new()
-        end.record()
+    def account(self, start, end) -> None:
+        """Add one decode step (its ``mark`` events), once its results are read; steps are
+        accounted in launch order, so the gap is from the previous step's end."""
         end.synchronize()
         self.steps += 1
-        self.span_ms += self._start.elapsed_time(end)
+        self.span_ms += start.elapsed_time(end)
         if self._prev_end is not None:
             self.gaps += 1
-            self.idle_ms += self._prev_end.elapsed_time(self._start)
-        self._prev_end, self._start = end, None
+            self.idle_ms += self._prev_end.elapsed_time(start)
+        self._prev_end = end
 
     def break_chain(self) -> None:
-        """A step that is not timed ran: the next gap would include it."""
-        self._start = self._prev_end = None
+        """A step that is not timed runs next: the next gap would include it."""
+        self._prev_end = None
 
     def summary(self) -> dict:
         return {"steps": self.steps, "span_ms": self.span_ms / max(self.steps, 1),

@@ -9,7 +9,10 @@ log-probs, and serves the whole step when every row samples at that temperature
 Per decode step the host fills one persistent buffer in place and sends it with one copy
 (``DecodeInputs``; its device views are the graph inputs), and reads the sampled tokens
 and their log-probs back with one copy into a persistent pinned buffer; nothing syncs
-per token.
+per token. A step is ``launch``ed (enqueued, its results' copy back included) and
+``collect``ed (waited for and read) separately, with two result slots, so that the step
+loop can enqueue the next decode step before reading this one (``EngineConfig.overlap_steps``):
+the next step's input tokens then come from this step's device result buffer.
 """
 from __future__ import annotations
 
@@ -78,6 +81,21 @@ def warmup_shapes(model, rollout: bool = False, dtype: torch.dtype | None = None
 class StepResult:
     tokens: list[int]
     logprobs: list[float]
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step enqueued on the GPU whose results are not read yet (``ModelRunner.launch``)."""
+
+    seqs: list[Sequence]   # the step's sequences, as scheduled
+    rows: list[Sequence]   # the sequences that sample, in result order
+    slot: int              # its result buffer
+    done: object | None    # event after the copy back (None on CPU)
+    clock: tuple | None    # GpuClock marks (start, end) of a decode step
+    indices: list[int] = field(default_factory=list)  # where each row's token goes (overlap)
+
+    def row_of(self) -> dict:
+        return {seq: i for i, seq in enumerate(self.rows)}
 
 
 @dataclass
@@ -242,12 +260,17 @@ class ModelRunner:
 
     def _init_result_buffers(self, max_rows: int) -> None:
         # [tokens | log-probs] of one step as fp64 (int64 ids < 2^53 and fp32 values are
-        # exact in fp64): one device buffer, one pinned host twin, one copy per step.
+        # exact in fp64): two slots (a step is enqueued while the one before it is read), each
+        # one device buffer and one pinned host twin, one copy per step; an event per slot
+        # marks its copy done.
         on_gpu = self.device.type == "cuda"
-        self._result_host = torch.empty(2 * max_rows, dtype=torch.float64, pin_memory=on_gpu)
-        self._result_dev = (torch.empty(2 * max_rows, dtype=torch.float64, device=self.device)
-                            if on_gpu else self._result_host)
-        self._result_np = self._result_host.numpy()
+        self._result_host = [torch.empty(2 * max_rows, dtype=torch.float64, pin_memory=on_gpu)
+                             for _ in range(2)]
+        self._result_dev = ([torch.empty(2 * max_rows, dtype=torch.float64, device=self.device)
+                             for _ in range(2)] if on_gpu else self._result_host)
+        self._result_np = [h.numpy() for h in self._result_host]
+        self._result_done = [torch.cuda.Event() for _ in range(2)] if on_gpu else [None, None]
+        self._slot = 0
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool | None = None,
@@ -256,6 +279,14 @@ class ModelRunner:
         sequence's ``num_scheduled_tokens`` says what it computes, ``is_prefill`` is not
         needed). Results are in ``sequence.sampling_rows`` order. Adds host seconds to
         ``timing["launch"]`` / ``["wait"]`` when given."""
+        return self.collect(self.launch(seqs, timing), timing)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], timing: dict | None = None,
+               after: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Enqueue one step (``run`` without reading its results). ``after``: the step
+        enqueued before this one whose tokens are not read yet; a decode row whose last
+        token is that step's draw (``Sequence.PENDING`` on the host) takes it on the device."""
         start = time.perf_counter()
         prefill, decode = split_step(seqs)
         kind = step_kind(prefill, decode)
@@ -265,37 +296,60 @@ class ModelRunner:
         if clock is not None and kind != "decode":
             clock.break_chain()
             clock = None
-        parts = []
+        parts, rows = [], []
         if prefill:
+            assert after is None, "a prefill step is never enqueued behind an unread one"
             hidden = self._prefill(prefill)
             done = [s for s in prefill if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens]
             if done:
                 parts.append(self.sample(hidden, done))
+                rows += done
+        clock_start = None
         if decode:
-            hidden, sampled = self._decode(decode, bucket, clock)
+            hidden, sampled, clock_start = self._decode(decode, bucket, clock, after)
             parts.append(sampled if sampled is not None
                          else self.sample(hidden, decode, self.decode_inputs.sample_keys(len(decode))))
-        n = sum(p[0].shape[0] for p in parts)
-        if 2 * n > self._result_host.numel():  # prefill batches are bounded by max_num_seqs too
+            rows += decode
+        n = len(rows)
+        if 2 * n > self._result_host[0].numel():  # prefill batches are bounded by max_num_seqs too
+            assert after is None, "result buffers grow only with no step unread"
             self._init_result_buffers(n)
-        out = self._result_dev
+        slot = self._slot
+        self._slot ^= 1
+        out, host = self._result_dev[slot], self._result_host[slot]
         row = 0
         for tokens, logprobs in parts:
             k = tokens.shape[0]
             out[row:row + k].copy_(tokens)
             out[n + row:n + row + k].copy_(logprobs)
             row += k
-        launched = time.perf_counter()
-        if out is not self._result_host and n:
-            self._result_host[:2 * n].copy_(out[:2 * n])  # blocking: waits for the step
-        values = self._result_np[:2 * n]
-        if clock is not None:
-            clock.stop()
+        done_event = self._result_done[slot]
+        if out is not host and n:
+            host[:2 * n].copy_(out[:2 * n], non_blocking=True)
+            done_event.record()
+        else:
+            done_event = None
+        clock_marks = (clock_start, clock.mark()) if clock_start is not None else None
         if timing is not None:
-            now = time.perf_counter()
-            timing["launch"] += launched - start
-            timing["wait"] += now - launched
+            timing["launch"] += time.perf_counter() - start
+        return LaunchedStep(seqs, rows, slot, done_event, clock_marks)
+
+    def collect(self, step: "LaunchedStep", timing: dict | None = None) -> StepResult:
+        """Wait for ``step``'s results and read them (``sampling_rows`` order)."""
+        start = time.perf_counter()
+        if step.done is not None:
+            step.done.synchronize()
+        n = len(step.rows)
+        values = self._result_np[step.slot][:2 * n]
+        if step.clock is not None and self.gpu_clock is not None:
+            self.gpu_clock.account(*step.clock)
+        if timing is not None:
+            timing["wait"] += time.perf_counter() - start
         return StepResult(values[:n].astype(np.int64).tolist(), values[n:].tolist())
+
+    def device_tokens(self, step: "LaunchedStep") -> torch.Tensor:
+        """``step``'s drawn tokens as its device result buffer holds them (fp64, exact)."""
+        return self._result_dev[step.slot][:len(step.rows)]
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         inputs = self.prepare_prefill(seqs)
@@ -320,29 +374,31 @@ class ModelRunner:
         depends on the batch size alone, never on the step's prefill chunks."""
         return self.decode_graphs.bucket(batch)
 
-    def _decode(self, seqs: list[Sequence], bucket: int | None, clock=None):
-        """(hidden [B, H], (tokens, log-probs) when a graph drew them for every row, else None).
-        ``clock``: a ``GpuClock`` started once the inputs are staged."""
+    def _decode(self, seqs: list[Sequence], bucket: int | None, clock=None, after=None):
+        """(hidden [B, H], (tokens, log-probs) when a graph drew them for every row, else None,
+        the ``clock``'s start mark once the inputs are staged, else None). ``after``: see ``launch``."""
         batch = len(seqs)
         staging = self.decode_inputs
         width = max(len(s.block_table) for s in seqs)
         key = self.decode_graphs.key(bucket, width)
+        pending = None
+        if after is not None:
+            row_of = after.row_of()
+            pending = (self.device_tokens(after),
+                       [row_of.get(s) if s.token_ids[-1] == Sequence.PENDING else None for s in seqs])
+        rows = batch if key is None else bucket  # the graph reads the staging buffer's device views
+        staging.stage(seqs, rows, pending)
+        mark = clock.mark() if clock is not None else None
         if key is None:  # above the plan, or nothing captured (CPU, failed capture)
-            staging.stage(seqs, batch)
-            if clock is not None:
-                clock.start()
-            return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width)), None
-        staging.stage(seqs, bucket)  # the graph reads the staging buffer's device views
-        if clock is not None:
-            clock.start()
+            return self.model.decode(cache=self.kv_cache, **staging.model_inputs(batch, width)), None, mark
         out = self.decode_graphs.replay(key, batch)
         if not isinstance(out, tuple):
-            return out, None
+            return out, None, mark
         hidden, tokens, logprobs = out
         if not graph_samples(seqs, self.graph_sample_temperature):
-            return hidden, None
+            return hidden, None, mark
         self.graph_sampled += 1
-        return hidden, (tokens, logprobs)
+        return hidden, (tokens, logprobs), mark
 
     @property
     def graph_sample_temperature(self) -> float | None:

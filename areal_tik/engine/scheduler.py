@@ -173,11 +173,47 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def fill_pending(self, step, tokens: list[int], logprobs: list[float], advance: bool) -> list[Sequence]:
+        """``postprocess`` for a step enqueued with overlap (``LaunchedStep``): its rows' tokens
+        were appended as ``Sequence.PENDING`` at ``step.indices``; write them there and stop
+        the rows that end (their lists cut after the token: a later step's placeholder goes).
+        ``advance``: no later step has been scheduled (else the K/V progress is that step's).
+        A row whose sequence ended or was aborted meanwhile is skipped. Returns the finished."""
+        if advance:
+            for seq in step.seqs:
+                seq.num_computed_tokens += seq.num_scheduled_tokens
+                seq.num_scheduled_tokens = 0
+        register = self.blocks.register if self.blocks.prefix_caching else None
+        finished = []
+        for seq, index, token, logprob in zip(step.rows, step.indices, tokens, logprobs, strict=True):
+            if seq.is_finished:
+                continue
+            out = index - len(seq.prompt_ids)  # log-probs and versions: output tokens only
+            seq.token_ids[index] = token
+            seq.logprobs[out] = logprob
+            if register is not None:  # blocks below the K/V progress: never a pending token
+                register(seq)
+            reason = self._stop_reason(seq, token, index + 1)
+            if reason is not None:
+                del seq.token_ids[index + 1:], seq.logprobs[out + 1:], seq.versions[out + 1:]
+                seq.finish(reason)
+                self.blocks.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def ends_on_length(self, seq: Sequence) -> bool:
+        """Its last token (drawn or pending) is the last its length limits allow."""
+        num_tokens = len(seq.token_ids)
+        return (num_tokens - len(seq.prompt_ids) >= seq.params.max_new_tokens
+                or num_tokens >= self.config.max_model_len)
+
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> str | None:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        num_tokens = len(seq.token_ids)  # per row and step: plain lengths, not properties
+        if num_tokens is None:
+            num_tokens = len(seq.token_ids)  # per row and step: plain lengths, not properties
         if (num_tokens - len(seq.prompt_ids) >= params.max_new_tokens
                 or num_tokens >= self.config.max_model_len):
             return "length"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .config import SamplingParams
 
@@ -37,7 +38,13 @@ class GenerationOutput:
 
 @dataclass(eq=False)
 class Sequence:
-    """Prompt plus generated tokens; ``block_table`` lists the KV blocks holding them."""
+    """Prompt plus generated tokens; ``block_table`` lists the KV blocks holding them.
+
+    With overlapped steps (``EngineConfig.overlap_steps``) the token a step draws is
+    appended as ``PENDING`` when the step is enqueued (so lengths, slots and counters
+    already count it) and written when its results are read."""
+
+    PENDING: ClassVar[int] = -1
 
     seq_id: int
     prompt_ids: list[int]

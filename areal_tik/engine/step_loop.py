@@ -16,6 +16,17 @@ breaks the engine: every registered request fails with that exception, and later
 submits and weight updates raise ``EngineBrokenError`` naming it. The KV cache and the
 scheduler's queues are in an unknown state after such an error, so nothing is retried.
 
+Overlapped steps (``EngineConfig.overlap_steps``): a decode-only step is enqueued and left
+unread (``_pending``); the next iteration enqueues the following decode step first (its
+input tokens copied on the device from the unread step's draw; ``Sequence.PENDING`` holds
+their place on the host, so lengths, KV slots and sampling counters count them), then reads
+the unread step and does its bookkeeping (``Scheduler.fill_pending``) while the GPU runs
+the new one. A step is enqueued behind an unread one only when it cannot admit, preempt or
+end a sequence on its length (``_can_overlap``); otherwise, and before a pause, a weight
+update (``between_steps``) or close, the unread step is read first (``drain``). A sequence
+that stops on a stop token found when its step is read already has a row in the step
+enqueued after it: that row is computed and dropped.
+
 With an ``agreement`` (tensor parallelism, ``tensor_parallel.StepAgreement``) every loop
 iteration first agrees with the other ranks' loops on what to admit, abort and whether to
 step, so every rank runs the same steps; a rank that closes ends every rank's loop.
@@ -70,9 +81,11 @@ class StepLoop:
         self._cancelled: set[int] = set()   # ids whose Future the caller cancelled
         self._done: list[tuple[Future, object]] = []  # finished in this step, resolved after it
         self._thread: threading.Thread | None = None
+        self._pending = None  # a step enqueued with overlap whose tokens are not read yet
         self.closed = False
         self.error: BaseException | None = None
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # steps enqueued while the one before was unread
         # Host seconds per phase of all steps, to attribute per-step overhead: "schedule"
         # (reaping + scheduling), "launch" (inputs + forward + sampling enqueued), "wait"
         # (until the sampled tokens are on the host), "postprocess" (bookkeeping + futures);
@@ -125,13 +138,15 @@ class StepLoop:
         with self.step_lock:
             if self.error is not None:
                 self.check_usable()
+            self.drain()  # a weight update never runs under a step enqueued with overlap
             yield
 
     def pause(self) -> None:
         """Return once no step runs and none will start until ``resume``."""
         self._resumed.clear()
         with self.step_lock:  # waits for the step in flight; later steps see the flag
-            pass
+            if self.error is None:
+                self.drain()
 
     def resume(self) -> None:
         self._resumed.set()
@@ -148,11 +163,14 @@ class StepLoop:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         with self.step_lock:
+            if self.error is None:
+                self.drain()  # the unread step's tokens belong to the outputs below
             with self._state_lock:
                 requests = list(self._requests.values())
                 self._requests.clear()
             for seq, _ in requests:
                 seq.finish("abort")
+        self._resolve_done()  # requests the drain finished
         for seq, future in requests:  # resolved first, outside the lock: freeing blocks may raise
             _resolve(future, lambda f, s=seq: f.set_result(s.to_output()))
         if self.error is None:
@@ -232,20 +250,67 @@ class StepLoop:
             except queue.Empty:
                 return
 
-    def _step(self) -> None:
+    def _overlap_allowed(self) -> bool:
+        """Whether the engine may ever enqueue a step behind an unread one (``overlap_steps``)."""
+        config = self.runner.config
+        return (config.overlap_steps and self.agreement is None and config.prefill_chunk_tokens is None
+                and getattr(self.runner, "tensor_parallel", None) is None)
+
+    def _can_overlap(self) -> bool:
+        """The next step may be enqueued before the unread one's tokens are known: it will be
+        a decode-only step (nothing waits, or the running batch is full), no row can be preempted (a free block for
+        every running sequence), none ends on its length with the unread step's token, and
+        the loop runs on (not paused, closing or stopping)."""
+        scheduler = self.scheduler
+        full = len(scheduler.running) >= self.runner.config.max_num_seqs  # admits nobody
+        return ((full or not scheduler.waiting) and self._resumed.is_set() and not self.closed
+                and scheduler.blocks.num_free_blocks >= len(scheduler.running)
+                and not any(map(scheduler.ends_on_length, scheduler.running)))
+
+    def drain(self) -> None:
+        """Read the step enqueued with overlap, if any (with ``step_lock`` held)."""
+        if self._pending is not None:
+            timing = dict.fromkeys(_PHASES, 0.0)
+            self._read_pending(timing, advance=True)
+
+    def _read_pending(self, timing: dict, advance: bool) -> None:
+        step, self._pending = self._pending, None
+        result = self.runner.collect(step, timing)
         start = time.perf_counter()
+        for seq in self.scheduler.fill_pending(step, result.tokens, result.logprobs, advance):
+            self._complete(seq)
+        timing["postprocess"] += time.perf_counter() - start
+
+    def _step(self) -> None:
+        timing = dict.fromkeys(_PHASES, 0.0)
+        if self._pending is not None and not self._can_overlap():
+            self._read_pending(timing, advance=True)
+            if not self.scheduler.has_work():
+                return
+        start_schedule = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             assert not self.scheduler.has_work(), "scheduler has work but scheduled nothing"
             return
-        timing = dict.fromkeys(_PHASES, 0.0)
-        timing["schedule"] = time.perf_counter() - start
-        result = self.runner.run(seqs, is_prefill, timing)
+        timing["schedule"] = time.perf_counter() - start_schedule
+        step = self.runner.launch(seqs, timing, self._pending)
         self.num_steps += 1
-        start = time.perf_counter()
-        for seq in self.scheduler.postprocess(seqs, result.tokens, result.logprobs, self.version):
-            self._complete(seq)
-        timing["postprocess"] = time.perf_counter() - start
+        self.num_overlapped_steps += self._pending is not None
+        if not is_prefill and self._overlap_allowed():
+            # the rows' tokens count from now on; the step before this one is read meanwhile
+            for seq in step.rows:
+                step.indices.append(len(seq.token_ids))
+                seq.append(Sequence.PENDING, float("nan"), self.version)
+            if self._pending is not None:
+                self._read_pending(timing, advance=False)
+            self._pending = step
+        else:
+            assert self._pending is None, "a step is enqueued behind an unread one only with overlap"
+            result = self.runner.collect(step, timing)
+            start = time.perf_counter()
+            for seq in self.scheduler.postprocess(seqs, result.tokens, result.logprobs, self.version):
+                self._complete(seq)
+            timing["postprocess"] += time.perf_counter() - start
         totals = [self.step_seconds]
         if not is_prefill:  # the scheduler's flag: no prompt chunk in this step
             totals.append(self.decode_step_seconds)
@@ -256,6 +321,7 @@ class StepLoop:
 
     def _break(self, exc: BaseException) -> None:
         logger.error("engine step loop failed; failing every pending request", exc_info=exc)
+        self._pending = None
         with self._state_lock:
             self.error = exc
             requests = list(self._requests.values())
