@@ -18,12 +18,12 @@ from ._engine_utils import assert_bitwise_logprobs, assert_same_outputs, prompts
 from ._engine_utils import hf_small, standard, unified  # noqa: F401 - fixtures
 
 
-def _requests(n: int, seed: int = 0):
+def _requests(n: int, seed: int = 0, new_tokens=(4, 20), stops: int = 6):
     rng = random.Random(seed)
     prompts = prompts_of([rng.randint(2, 12) for _ in range(n)], seed=seed)
     # a few frequent-enough stop tokens: some rows stop early, the others on their length
-    stops = tuple(rng.sample(range(3, 128), 6))
-    params = [SamplingParams(temperature=1.0, max_new_tokens=rng.randint(4, 30), stop_token_ids=stops,
+    stop_ids = tuple(rng.sample(range(3, 128), stops))
+    params = [SamplingParams(temperature=1.0, max_new_tokens=rng.randint(*new_tokens), stop_token_ids=stop_ids,
                              seed=1000 + i) for i in range(n)]
     return prompts, params
 
@@ -41,15 +41,19 @@ def _versions_and_lists_consistent(outputs):
         assert not any(torch.isnan(torch.tensor(o.logprobs)))
 
 
-@pytest.mark.parametrize("config", [dict(max_num_seqs=4), dict(max_num_seqs=8, num_kv_blocks=12),
+@pytest.mark.parametrize("config", [dict(max_num_seqs=4), dict(max_num_seqs=8, num_kv_blocks=6),
                                     dict(max_num_seqs=8, enable_prefix_caching=True)],
                          ids=["admissions", "preemption", "prefix-cache"])
-def test_overlapped_steps_give_the_serial_engines_outputs(standard, config):  # noqa: F811
-    prompts, params = _requests(14)
+def test_overlapped_steps_give_the_serial_engines_outputs(unified, config):  # noqa: F811
+    # The unified kernels: which rows share a step, and which prompts hit the prefix cache,
+    # depend on thread timing and differ between the two runs; only batch-invariant kernels
+    # make the outputs comparable bit for bit (the standard set's CPU matmuls are not).
+    # preemption: 5 usable blocks of 16 for 8 sequences that mostly grow past 16 tokens
+    prompts, params = _requests(10, **(dict(new_tokens=(10, 20), stops=2) if "num_kv_blocks" in config else {}))
     if config.get("enable_prefix_caching"):  # n samples of a few prompts share their blocks
         prompts = [prompts[i % 3] * 3 for i in range(len(prompts))]
-    serial, overlapped_none, _ = _run(standard, False, prompts, params, **config)
-    overlapped, num_overlapped, steps = _run(standard, True, prompts, params, **config)
+    serial, overlapped_none, _ = _run(unified, False, prompts, params, **config)
+    overlapped, num_overlapped, steps = _run(unified, True, prompts, params, **config)
     assert overlapped_none == 0 and num_overlapped > 0, (num_overlapped, steps)
     assert_same_outputs(serial, overlapped)
     assert [o.versions for o in serial] == [o.versions for o in overlapped]

@@ -151,10 +151,13 @@ class FwdConfig:
 # promoted it on that root (2026-12-07, H100 80GB, code eb9edf2, run
 # eval/results/2026-12-07_h100_eb9edf2/agent_round5/: candidate c0001, audit a0003, T(root)/T
 # 1.020, largest workload ratio 1.023; decode's TMA loads stay off: round 4 measured them up to
-# 1.46x slower).
+# 1.46x slower). Decode keeps a KV group's query heads in one program (decode_programs_per_sm=0:
+# each group's K/V read once) since the mechanical search promoted it on that root (2026-12-07,
+# H100 80GB, code d719991, per-call timer, eval/results/2026-12-07_h100_eb9edf2/optimize_d719991/:
+# candidate c0094, audit a0120, T(root)/T 1.013; decode 0.83-1.02x, largest workload 1.024x).
 GPU_CONFIG = FwdConfig(block_m=64, block_n=64, num_warps=4, kv_split=1024, stages_prefill=3,
                        stages_decode=3, prefill_subtiles=2, prefill_pack_heads=2, prefill_order_chunk=8,
-                       prefill_tma=True)
+                       decode_programs_per_sm=0, prefill_tma=True)
 # Interpreter: tiny tiles and a short split, so CPU tests cross several tiles and splits
 # (and prefill runs 2 sub-tiles like the GPU default).
 INTERP_CONFIG = FwdConfig(block_m=16, block_n=16, num_warps=4, kv_split=32, stages_prefill=1,
