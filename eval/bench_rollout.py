@@ -24,7 +24,12 @@ the standard engine's gap is its elementwise launches.
 
 Reported per run: seconds, tokens/s, and in hardware terms the decode weight stream
 (bytes of the weights read per step x steps / time, as TB/s and as a fraction of the
-measured 4.26 TB/s device copy); ratios unified/standard and engine/HF per shape.
+measured 4.26 TB/s device copy); ratios unified/standard and engine/HF per shape. For the
+unified engine, a step (the run's seconds / new tokens) beside the bytes it must read: the
+weights once and every layer's K/V at the step's context, averaged over the run; as TB/s and
+as a multiple of the time those bytes take at the device's ceiling (``CEILINGS_TBPS``: the
+H200's measured copy, an H100's nominal bandwidth), the figure issue 12's decode targets
+(2x at batch 64, 3x at batch 1) are stated in.
 Targets: unified >= 0.9x standard; engine >= 3x HF generate at batch 64.
 """
 from __future__ import annotations
@@ -208,6 +213,40 @@ def weight_bytes(hf_model) -> int:
     return total
 
 
+# What a step's bytes are measured against, by device name: the H200's measured device copy;
+# an H100's nominal HBM3 bandwidth (no copy ceiling of that card is recorded in eval/results).
+CEILINGS_TBPS = (("H200", 4.26, "H200 measured copy"), ("H100", 3.35, "H100 nominal HBM3"))
+
+
+def ceiling_for(device_name: str) -> tuple[float, str] | None:
+    for key, tbps, what in CEILINGS_TBPS:
+        if key in device_name:
+            return tbps, what
+    return None
+
+
+def kv_bytes_per_step(config, batch: int, new: int) -> float:
+    """Mean K/V bytes a step of the run reads: every layer's K and V (bf16) at the context the
+    step sees, PROMPT_LEN + i at the step that draws token i + 1 (i = 0 .. new - 1; the first,
+    the prefill's, reads what it writes), averaged: PROMPT_LEN + (new - 1) / 2 positions."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    return batch * per_position * (PROMPT_LEN + (new - 1) / 2)
+
+
+def bound_line(batch: int, new: int, seconds: float, wbytes: int, kv: float, device_name: str) -> str:
+    """A step's time beside the bytes it must read (weights once + the K/V at its context)."""
+    step = seconds / new
+    total = wbytes + kv
+    line = (f"batch {batch:3d} x {new}: {step * 1e3:.3f} ms a step for {total / 1e9:.2f} GB "
+            f"({wbytes / 1e9:.2f} weights + {kv / 1e9:.2f} K/V), {total / step / 1e12:.2f} TB/s")
+    ceiling = ceiling_for(device_name)
+    if ceiling is not None:
+        tbps, what = ceiling
+        line += f"; {step / (total / (tbps * 1e12)):.2f}x the bytes bound at {tbps} TB/s ({what})"
+    return line
+
+
 def rows_for(model_name, backend, batch, new, seconds, wbytes, info) -> list[dict]:
     tokens = batch * new
     tbps = wbytes * new / seconds / 1e12
@@ -286,6 +325,16 @@ def main(argv=None) -> None:
             for r in rows_for(args.model, b, batch, new, s, wbytes, info)]
     rows += ratio_rows(args.model, results, info)
     summarize(results)
+    print("unified, a step against the bytes it reads (a step = the run's seconds / new tokens):")
+    for (batch, new), seconds in results["unified"].items():
+        kv = kv_bytes_per_step(hf_model.config, batch, new)
+        print("  " + bound_line(batch, new, seconds, wbytes, kv, info["device"]), flush=True)
+        ceiling = ceiling_for(info["device"])
+        if ceiling is not None:
+            rows.append(dict(info, model=args.model, backend="unified", batch=batch, prompt_len=PROMPT_LEN,
+                             new_tokens=new, metric="bytes_bound_ratio",
+                             value=round(seconds / new / ((wbytes + kv) / (ceiling[0] * 1e12)), 3),
+                             unit=f"x ({ceiling[1]}, {ceiling[0]} TB/s)"))
     print(f"wrote {write_csv(rows, args.out, 'bench_rollout.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 

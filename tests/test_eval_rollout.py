@@ -76,3 +76,19 @@ def test_gpu_clock_times_decode_steps_and_the_gaps_between_them(unified):  # noq
     assert 0 < c["span_ms"] <= decode["launch"] + decode["wait"] + 1e-3, (c, decode)
     assert c["idle_ms"] >= 0.5 * (decode["postprocess"] + decode["schedule"]), (c, decode)
     assert "4 decode steps" in gpu_clock_line(clock) and "3 gaps" in gpu_clock_line(clock)
+
+
+def test_the_bytes_bound_counts_weights_once_and_the_kv_at_the_mean_context():
+    from types import SimpleNamespace
+
+    from eval.bench_rollout import PROMPT_LEN, bound_line, kv_bytes_per_step
+    # Qwen3-0.6B's attention shape: 28 layers, 8 KV heads of 128
+    cfg = SimpleNamespace(head_dim=128, hidden_size=1024, num_attention_heads=16, num_hidden_layers=28,
+                          num_key_value_heads=8)
+    kv = kv_bytes_per_step(cfg, 64, 257)
+    contexts = [PROMPT_LEN + i for i in range(257)]  # the context each of the 257 steps reads
+    assert kv == 64 * 28 * 2 * 8 * 128 * 2 * sum(contexts) / len(contexts)
+    # 2 GB read in 1 ms a step is 2 TB/s: at an H100's 3.35 TB/s the bound is 0.597 ms, so 1.68x
+    line = bound_line(64, 100, 0.1, 1_000_000_000, 1e9, "NVIDIA H100 80GB HBM3")
+    assert "1.000 ms a step for 2.00 GB" in line and "2.00 TB/s" in line and "1.68x the bytes bound at 3.35" in line
+    assert "bytes bound" not in bound_line(1, 10, 1.0, 10, 0.0, "cpu")  # no ceiling known: no ratio
