@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -354,6 +355,9 @@ def test_tma_loads_keep_bits(device):
     _attention_fwd._pointer_loads_instead.cache_clear()
     with pytest.warns(RuntimeWarning, match="pointer loads used: head dim not unit-strided or heads not adjacent"):
         assert _attention_fwd.kv_descriptors(spread, spread, base.block_n, True) is None
+    with warnings.catch_warnings():  # fp32 is outside the knob (FMA dots): pointer loads, no word
+        warnings.simplefilter("error")
+        assert _attention_fwd.kv_descriptors(k.float(), v.float(), base.block_n, True) is None
     want, want_lse = attn_mod._forward(q, k, v, cu, 3, 100, 16 ** -0.5, True, base)
     got, got_lse = attn_mod._forward(q, k, v, cu, 3, 100, 16 ** -0.5, True, tma)
     assert_bitwise(got, want, "prefill")

@@ -83,14 +83,19 @@ def test_pause_weight_update_and_cancel_leave_no_pending_token(standard):  # noq
         futures[0].cancel()
         llm.pause()  # returns with no step unread: every running sequence's tokens are real
         assert llm.loop._pending is None
-        for seq in llm.scheduler.running:
+        running = list(llm.scheduler.running)
+        for seq in running:
             assert Sequence.PENDING not in seq.token_ids
-        llm.resume()
         llm.update_weights(standard.hf_model)  # between steps: drains first
+        llm.resume()
         outputs = [f.result(timeout=60) for f in futures[1:]]
     _versions_and_lists_consistent(outputs)
     assert all(len(o.token_ids) == 40 for o in outputs)
-    assert all(o.versions[-1] == 1 for o in outputs)
+    assert all(o.versions == sorted(o.versions) for o in outputs)
+    # a request still running at the pause draws its later tokens with the updated weights
+    by_prompt = {tuple(o.prompt_ids): o for o in outputs}
+    still = [by_prompt[tuple(s.prompt_ids)] for s in running if tuple(s.prompt_ids) in by_prompt]
+    assert still and all(o.versions[-1] == 1 for o in still)
 
 
 def test_every_decode_step_of_a_batch_but_the_first_is_enqueued_behind_an_unread_one(standard):  # noqa: F811

@@ -384,8 +384,9 @@ class ModelRunner:
         pending = None
         if after is not None:
             row_of = after.row_of()
+            # a pending input token is always the unread step's draw (KeyError otherwise: a bug)
             pending = (self.device_tokens(after),
-                       [row_of.get(s) if s.token_ids[-1] == Sequence.PENDING else None for s in seqs])
+                       [row_of[s] if s.token_ids[-1] == Sequence.PENDING else None for s in seqs])
         rows = batch if key is None else bucket  # the graph reads the staging buffer's device views
         staging.stage(seqs, rows, pending)
         mark = clock.mark() if clock is not None else None

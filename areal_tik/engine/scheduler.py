@@ -165,15 +165,24 @@ class Scheduler:
         finished = []
         for seq, token, logprob in zip(rows, tokens, logprobs, strict=True):
             seq.append(token, logprob, version)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                seq.finish(reason)
-                self.blocks.free(seq)
-                self.running.remove(seq)
-                finished.append(seq)
+            self._end_if_stopped(seq, token, len(seq.token_ids), finished)
         return finished
 
-    def fill_pending(self, step, tokens: list[int], logprobs: list[float], advance: bool) -> list[Sequence]:
+    def _end_if_stopped(self, seq: Sequence, token: int, num_tokens: int, finished: list) -> None:
+        """Finish and free ``seq`` if ``token``, its ``num_tokens``-th, ends it; its lists are
+        cut after that token (an overlapped step's later placeholder goes with them)."""
+        reason = self._stop_reason(seq, token, num_tokens)
+        if reason is None:
+            return
+        out = num_tokens - len(seq.prompt_ids)  # log-probs and versions: output tokens only
+        del seq.token_ids[num_tokens:], seq.logprobs[out:], seq.versions[out:]
+        seq.finish(reason)
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        finished.append(seq)
+
+    def fill_pending(self, step, tokens: list[int], logprobs: list[float],
+                     advance: bool) -> list[Sequence]:
         """``postprocess`` for a step enqueued with overlap (``LaunchedStep``): its rows' tokens
         were appended as ``Sequence.PENDING`` at ``step.indices``; write them there and stop
         the rows that end (their lists cut after the token: a later step's placeholder goes).
@@ -188,18 +197,11 @@ class Scheduler:
         for seq, index, token, logprob in zip(step.rows, step.indices, tokens, logprobs, strict=True):
             if seq.is_finished:
                 continue
-            out = index - len(seq.prompt_ids)  # log-probs and versions: output tokens only
             seq.token_ids[index] = token
-            seq.logprobs[out] = logprob
+            seq.logprobs[index - len(seq.prompt_ids)] = logprob
             if register is not None:  # blocks below the K/V progress: never a pending token
                 register(seq)
-            reason = self._stop_reason(seq, token, index + 1)
-            if reason is not None:
-                del seq.token_ids[index + 1:], seq.logprobs[out + 1:], seq.versions[out + 1:]
-                seq.finish(reason)
-                self.blocks.free(seq)
-                self.running.remove(seq)
-                finished.append(seq)
+            self._end_if_stopped(seq, token, index + 1, finished)
         return finished
 
     def ends_on_length(self, seq: Sequence) -> bool:
@@ -208,12 +210,10 @@ class Scheduler:
         return (num_tokens - len(seq.prompt_ids) >= seq.params.max_new_tokens
                 or num_tokens >= self.config.max_model_len)
 
-    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if num_tokens is None:
-            num_tokens = len(seq.token_ids)  # per row and step: plain lengths, not properties
         if (num_tokens - len(seq.prompt_ids) >= params.max_new_tokens
                 or num_tokens >= self.config.max_model_len):
             return "length"

@@ -258,9 +258,9 @@ class StepLoop:
 
     def _can_overlap(self) -> bool:
         """The next step may be enqueued before the unread one's tokens are known: it will be
-        a decode-only step (nothing waits, or the running batch is full), no row can be preempted (a free block for
-        every running sequence), none ends on its length with the unread step's token, and
-        the loop runs on (not paused, closing or stopping)."""
+        a decode-only step (nothing waits, or the running batch is full), no row can be
+        preempted (a free block for every running sequence), none ends on its length with the
+        unread step's token, and the loop runs on (not paused, closing or stopping)."""
         scheduler = self.scheduler
         full = len(scheduler.running) >= self.runner.config.max_num_seqs  # admits nobody
         return ((full or not scheduler.waiting) and self._resumed.is_set() and not self.closed
@@ -272,6 +272,12 @@ class StepLoop:
         if self._pending is not None:
             timing = dict.fromkeys(_PHASES, 0.0)
             self._read_pending(timing, advance=True)
+            self._account(timing, decode=True)  # a decode step's wait, counted when it launched
+
+    def _account(self, timing: dict, decode: bool) -> None:
+        for total in (self.step_seconds, self.decode_step_seconds) if decode else (self.step_seconds,):
+            for phase, seconds in timing.items():
+                total[phase] += seconds
 
     def _read_pending(self, timing: dict, advance: bool) -> None:
         step, self._pending = self._pending, None
@@ -286,6 +292,7 @@ class StepLoop:
         if self._pending is not None and not self._can_overlap():
             self._read_pending(timing, advance=True)
             if not self.scheduler.has_work():
+                self._account(timing, decode=True)
                 return
         start_schedule = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
@@ -311,13 +318,8 @@ class StepLoop:
             for seq in self.scheduler.postprocess(seqs, result.tokens, result.logprobs, self.version):
                 self._complete(seq)
             timing["postprocess"] += time.perf_counter() - start
-        totals = [self.step_seconds]
-        if not is_prefill:  # the scheduler's flag: no prompt chunk in this step
-            totals.append(self.decode_step_seconds)
-            self.num_decode_steps += 1
-        for total in totals:
-            for phase, seconds in timing.items():
-                total[phase] += seconds
+        self.num_decode_steps += not is_prefill  # the scheduler's flag: no prompt chunk in this step
+        self._account(timing, decode=not is_prefill)
 
     def _break(self, exc: BaseException) -> None:
         logger.error("engine step loop failed; failing every pending request", exc_info=exc)

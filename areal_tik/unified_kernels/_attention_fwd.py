@@ -649,17 +649,18 @@ def kv_descriptors(k, v, block_n: int, wanted: bool):
     """TMA descriptors of K and V as 2-D [rows, Hk * D] with a [block_n, D] box: contiguous
     [T, Hk, D] by token row, paged caches [num_blocks, block_size, Hk, D] by block-major
     slot (block * block_size + slot). None where not ``wanted``, or where they cannot run;
-    the pointer loads give the same bits. Silently (the knob is a preference, on by default,
-    and these are properties of the run, not of the caller's layout): no descriptor support,
-    a GPU before Hopper, fp32 (FMA dots: left as they are). With a RuntimeWarning once per
-    reason (a layout the caller could change): a head-dim stride other than 1, heads not
-    adjacent, a cache whose blocks are not back to back, a base or row stride not 16-byte
-    aligned, 2^31 rows or more (int32 coordinates), no rows."""
-    if not wanted or TensorDescriptor is None or k.dtype == torch.float32:
-        return None
-    if not EMULATE and not (k.is_cuda and _hopper_or_newer(k.device.index)):
+    the pointer loads give the same bits. fp32 operands are outside the knob (their FMA dots
+    take pointer loads) and need no word. Anything else says so with a RuntimeWarning, once
+    per reason: no descriptor support, a GPU before Hopper, a head-dim stride other than 1,
+    heads not adjacent, a cache whose blocks are not back to back, a base or row stride not
+    16-byte aligned, 2^31 rows or more (int32 coordinates), no rows."""
+    if not wanted or k.dtype == torch.float32:
         return None
     reason = None
+    if TensorDescriptor is None:
+        reason = "this triton has no host-side tensor descriptors"
+    elif not EMULATE and not (k.is_cuda and _hopper_or_newer(k.device.index)):
+        reason = "not a Hopper-or-newer GPU"
     descs = []
     for x in (k, v):
         if reason is not None:
