@@ -140,33 +140,36 @@ def _time_engine(llm, kernels: str, shapes, vocab: int) -> dict:
     return times
 
 
+def _per_step(steps: int, now: dict, before: dict) -> tuple[str, float, float]:
+    """("ms a step: <phase> <ms>, ...", ms not waiting, ms waiting) over ``steps`` steps."""
+    per = {k: (v - before[k]) / steps * 1e3 for k, v in now.items()}
+    rest = sum(v for k, v in per.items() if k != "wait")
+    return "ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items()), rest, per["wait"]
+
+
 def host_phases(llm, steps_before: int, seconds_before: dict, wall: float) -> str:
     """The engine thread's host time per step over one timed run, by phase (the step loop's
-    ``step_seconds``: schedule, launch = inputs staged and the step enqueued, wait = until the
-    sampled tokens are on the host, postprocess), beside the run's wall time per step. With
-    the GPU busy all step, wait ~ GPU time - launch; what is not wait is host time the GPU
-    may sit idle for (the step is synchronous)."""
+    ``step_seconds``: schedule, launch = inputs staged and the step enqueued, wait = until
+    sampled tokens are on the host, postprocess), beside the run's wall time per step. A
+    serial step waits for its own tokens; with overlapped steps (``overlap_steps``) a decode
+    step's wait and postprocess are the previous step's, done while this one runs, so the
+    GPU's own idle time between steps is ``GpuClock``'s, not what is not wait here."""
     steps = llm.num_steps - steps_before
     if not steps:
         return "host phases: no steps"
-    per = {k: (v - seconds_before[k]) / steps * 1e3 for k, v in llm.step_seconds.items()}
-    rest = sum(v for k, v in per.items() if k != "wait")
-    return (f"host phases over {steps} steps, ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
-            + f"; not waiting {rest:.3f}; wall {wall / steps * 1e3:.3f}")
+    phases, rest, _ = _per_step(steps, llm.step_seconds, seconds_before)
+    return f"host phases over {steps} steps, {phases}; not waiting {rest:.3f}; wall {wall / steps * 1e3:.3f}"
 
 
 def decode_phases(llm, steps_before: int, seconds_before: dict) -> str:
     """``host_phases`` over the decode-only steps of the run (the prefill step's eager
-    launches left out): what a decode step costs the host, beside the GPU time a profile of
-    one such step gives (``eval.probe_decode_step``)."""
+    launches left out)."""
     total, seconds = llm.decode_step_seconds
     steps = total - steps_before
     if not steps:
         return "decode steps: none"
-    per = {k: (v - seconds_before[k]) / steps * 1e3 for k, v in seconds.items()}
-    rest = sum(v for k, v in per.items() if k != "wait")
-    return (f"decode steps only ({steps}), ms a step: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items())
-            + f"; not waiting {rest:.3f}; sum {rest + per['wait']:.3f}")
+    phases, rest, wait = _per_step(steps, seconds, seconds_before)
+    return f"decode steps only ({steps}), {phases}; not waiting {rest:.3f}; sum {rest + wait:.3f}"
 
 
 def gpu_clock_line(clock) -> str:
@@ -234,6 +237,11 @@ def kv_bytes_per_step(config, batch: int, new: int) -> float:
     return batch * per_position * (PROMPT_LEN + (new - 1) / 2)
 
 
+def bound_ratio(step_s: float, nbytes: float, tbps: float) -> float:
+    """A step's time over the time its bytes take at ``tbps``."""
+    return step_s / (nbytes / (tbps * 1e12))
+
+
 def bound_line(batch: int, new: int, seconds: float, wbytes: int, kv: float, device_name: str) -> str:
     """A step's time beside the bytes it must read (weights once + the K/V at its context)."""
     step = seconds / new
@@ -243,7 +251,7 @@ def bound_line(batch: int, new: int, seconds: float, wbytes: int, kv: float, dev
     ceiling = ceiling_for(device_name)
     if ceiling is not None:
         tbps, what = ceiling
-        line += f"; {step / (total / (tbps * 1e12)):.2f}x the bytes bound at {tbps} TB/s ({what})"
+        line += f"; {bound_ratio(step, total, tbps):.2f}x the bytes bound at {tbps} TB/s ({what})"
     return line
 
 
@@ -333,7 +341,7 @@ def main(argv=None) -> None:
         if ceiling is not None:
             rows.append(dict(info, model=args.model, backend="unified", batch=batch, prompt_len=PROMPT_LEN,
                              new_tokens=new, metric="bytes_bound_ratio",
-                             value=round(seconds / new / ((wbytes + kv) / (ceiling[0] * 1e12)), 3),
+                             value=round(bound_ratio(seconds / new, wbytes + kv, ceiling[0]), 3),
                              unit=f"x ({ceiling[1]}, {ceiling[0]} TB/s)"))
     print(f"wrote {write_csv(rows, args.out, 'bench_rollout.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
