@@ -17,6 +17,10 @@ at the hidden states (``graph_sample_temperature=None``: the LM head, the Gumbel
 the log-prob launched eagerly every step, as before the sampling graphs): what putting the
 sampler into the graph saves per step.
 
+``--backends ... unified-serial`` adds the unified engine without overlapped decode steps
+(``overlap_steps=False``), ``unified-nopdl`` the unified engine with programmatic dependent
+launch off (``unified_kernels/_pdl.py``): what each saves, side by side in one run.
+
 ``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
 residual add + RMSNorm, rope, SiLU-mul) under ``torch.compile``, as vLLM compiles its model
 (``areal_tik.model.ops.compiled_standard_ops``; the recipes' stock engine runs it): how much of
@@ -50,12 +54,13 @@ from areal_tik.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from areal_tik.engine.gpu_clock import GpuClock  # noqa: E402
 from areal_tik.model import UnifiedCausalLM, published_config, random_model, tiny_config  # noqa: E402
 from areal_tik.model.ops import compiled_standard_ops, one_block_per_sequence  # noqa: E402
+from areal_tik.unified_kernels import _pdl  # noqa: E402
 
 PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
-BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler", "unified-serial")
+BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler", "unified-serial", "unified-nopdl")
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
 
 
@@ -96,14 +101,17 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops ("compiled": the
     standard set with its elementwise ops compiled)."""
     ops = {"compiled": compiled_standard_ops(), "unified-eager-sampler": "unified",
-           "unified-serial": "unified"}.get(kernels, kernels)
+           "unified-serial": "unified", "unified-nopdl": "unified"}.get(kernels, kernels)
     model = UnifiedCausalLM.from_hf(hf_model, kernels=ops)
     # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
     # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
     block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if model.kernels == "standard" else 64
     options = {"unified-eager-sampler": {"graph_sample_temperature": None},
                "unified-serial": {"overlap_steps": False}}.get(kernels, {})
-    with LLM(model, engine_config(shapes, block, **options)) as llm:
+    # "unified-nopdl": the unified engine with programmatic dependent launch off (its graphs
+    # captured and its eager prefills launched without it; unified_kernels/_pdl.py)
+    with _pdl.enabled(_pdl.ENABLED and kernels != "unified-nopdl"), \
+            LLM(model, engine_config(shapes, block, **options)) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
     llm = model = None  # free the KV cache and CUDA graphs before the next backend
@@ -274,7 +282,8 @@ def ratio_rows(model_name, results, info) -> list[dict]:
                  ("standard/hf", "hf", "standard"), ("unified/compiled", "compiled", "unified"),
                  ("compiled/standard", "standard", "compiled"),
                  ("unified/unified-eager-sampler", "unified-eager-sampler", "unified"),
-                 ("unified/unified-serial", "unified-serial", "unified"))
+                 ("unified/unified-serial", "unified-serial", "unified"),
+                 ("unified/unified-nopdl", "unified-nopdl", "unified"))
         for name, slow, fast in pairs:
             if slow in results and fast in results:
                 rows.append(dict(base, backend=name, metric="speedup",
@@ -284,13 +293,15 @@ def ratio_rows(model_name, results, info) -> list[dict]:
 
 def summarize(results) -> None:
     print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
-          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8} {'uni/serial':>8}")
+          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8} {'uni/serial':>8}"
+          + f" {'uni/nopdl':>9}")
     for shape in results["unified"]:
         batch, new = shape
         rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
         uni = results["unified"][shape]
         ratios = " ".join(f"{results[b][shape] / uni:8.2f}" if shape in results.get(b, {}) else f"{'-':>8}"
-                          for b in ("standard", "hf", "compiled", "unified-eager-sampler", "unified-serial"))
+                          for b in ("standard", "hf", "compiled", "unified-eager-sampler", "unified-serial",
+                                    "unified-nopdl"))
         print(f"{batch:5d} {new:4d} {rates} {ratios}")
 
 

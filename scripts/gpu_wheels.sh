@@ -2,7 +2,8 @@
 # Builds the parts that carry AReaL's runtime dependencies to a GPU machine without a
 # package index (see eval/gpu_session.sh: "stage" copies one part per call, "deps"
 # installs them). Run from the repo root on a machine with pip access:
-#   bash scripts/gpu_wheels.sh [OUTDIR]    -> OUTDIR/part00, part01, ... (50 MiB each: a call carries at most 64 MiB, the working tree included)
+#   bash scripts/gpu_wheels.sh [OUTDIR]    -> OUTDIR/part00, part01, ... (40 MiB each: a call carries at most 64 MiB,
+#                                             the working tree included, ~18 MiB at 3fd70e2)
 # Wheels are cp312 manylinux x86-64 (the GPU image's Python); a package without such a
 # wheel (pycosat) travels as its sdist and is built there.
 # Sourced (scripts/vllm_wheels.sh), it only defines download_list and split_parts.
@@ -31,7 +32,7 @@ download_list() {  # download_list LIST DEST: every exact pin of LIST (eval/whee
 
 split_parts() {  # split_parts SRC OUTDIR [SIZE]: a tarball of SRC's contents in parts
   mkdir -p "$2"
-  tar cf - -C "$1" . | split -b "${3:-48M}" -d - "$2/part"
+  tar cf - -C "$1" . | split -b "${3:-40M}" -d - "$2/part"
   ls -la "$2"
 }
 

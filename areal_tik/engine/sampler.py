@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..unified_kernels._pdl import pdl, pdl_wait
+
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -139,7 +141,9 @@ def _gumbel_argmax_kernel(
     span,          # columns per split, a multiple of BLOCK_V
     n_splits,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (unified_kernels/_pdl.py)
 ):
+    pdl_wait(PDL)
     # Grid: (rows, splits). Split s walks columns [s * span, (s + 1) * span) in BLOCK_V
     # chunks (the chunks of the whole row: span is a multiple of BLOCK_V); the running best
     # only moves on a strictly larger value, so ties keep the lowest index. The combine
@@ -175,7 +179,9 @@ def _gumbel_argmax_kernel(
 
 
 @triton.jit(do_not_specialize=["n_splits"])
-def _gumbel_combine_kernel(part_idx_ptr, part_best_ptr, out_ptr, best_ptr, n_splits, MAX_SPLITS: tl.constexpr):
+def _gumbel_combine_kernel(part_idx_ptr, part_best_ptr, out_ptr, best_ptr, n_splits, MAX_SPLITS: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # One program per row: the first split (in column order) whose best is the row's maximum.
     row = tl.program_id(0)
     offs = tl.arange(0, MAX_SPLITS)
@@ -236,12 +242,14 @@ def gumbel_candidates(scores, keys, counters, temperature: float = 1.0, col0: in
     span, splits = gumbel_splits(rows, vocab)
     part_idx = torch.empty((rows, splits), dtype=torch.int64, device=scores.device)
     part_best = torch.empty((rows, splits), dtype=torch.float32, device=scores.device)
+    p = pdl(scores)
     _gumbel_argmax_kernel[(rows, splits)](
         scores, keys, counters, part_idx, part_best, vocab, scores.stride(0), float(temperature),
-        int(col0), span, splits, BLOCK_V=_BLOCK_V, num_warps=8)
+        int(col0), span, splits, BLOCK_V=_BLOCK_V, PDL=p, num_warps=8, launch_pdl=p)
     out = torch.empty(rows, dtype=torch.int64, device=scores.device)
     best = torch.empty(rows, dtype=torch.float32, device=scores.device)
-    _gumbel_combine_kernel[(rows,)](part_idx, part_best, out, best, splits, MAX_SPLITS=_MAX_SPLITS, num_warps=1)
+    _gumbel_combine_kernel[(rows,)](part_idx, part_best, out, best, splits, MAX_SPLITS=_MAX_SPLITS, PDL=p,
+                                    num_warps=1, launch_pdl=p)
     return best, out
 
 

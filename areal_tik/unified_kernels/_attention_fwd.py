@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting
+from ._pdl import pdl, pdl_wait
 from ._rounding import cast_rne
 
 try:  # host-side TMA descriptors (triton >= 3.3)
@@ -370,7 +371,9 @@ def _prefill_fwd_kernel(
     TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr, STORE_LSE: tl.constexpr,
     PAGED: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     PACK_H: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid (Hq * (S + 1), cdiv(max_seqlen, BLOCK_M)): heads vary fastest so GQA siblings
     # share K/V in L2, and the M tiles run longest-first (causal work grows with the tile
     # index). The extra sequence slot S writes zeros to the padding rows [cu[S], T).
@@ -502,7 +505,9 @@ def _decode_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES_PER_SPLIT: tl.constexpr, UNMASKED_LOOP: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid (num_splits, Hk * chunks, B), all from static shapes (num_splits from the block
     # table's width): one program per (split, KV head, chunk of its query heads,
     # sequence). The chunking only spreads small batches over more SMs; each row's
@@ -557,7 +562,9 @@ def _decode_combine_kernel(
     out_ptr,  # [B, Hq, D]
     num_q_heads, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, EMULATE: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid (B, cdiv(Hq, BLOCK_H)): the fold of _merge over splits 0, 1, ... in order,
     # exactly as the prefill program does it in registers.
     b = tl.program_id(0).to(tl.int64)
@@ -705,6 +712,7 @@ def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax
     units = hq // pack * (num_seqs + 1)
     grid = (units, blocks) if chunk == 0 else (blocks * units,)
     descs = kv_descriptors(k, v, config.block_n, config.prefill_tma)
+    p = pdl(q)
     _prefill_fwd_kernel[grid](
         q, k, v, *(descs or (k, v)), out, lse if store_lse else out, cu_seqlens, table, starts,
         softmax_scale * LOG2E, hq, hq // hk, num_seqs, T, block_size, blocks,
@@ -715,7 +723,8 @@ def _launch_prefill(q, k, v, cu_seqlens, out, lse, num_seqs, max_seqlen, softmax
         TILES_PER_SPLIT=config.kv_split // config.block_n, UNMASKED_LOOP=config.unmasked_loop,
         STORE_LSE=store_lse, PAGED=paged is not None,
         DOT_FP32=EMULATE, PRECISION=_precision(q.dtype), PACK_H=pack, CHUNK=chunk,
-        TMA=descs is not None, num_warps=warps, num_stages=config.stages_prefill, enable_fp_fusion=False,
+        TMA=descs is not None, PDL=p, num_warps=warps, num_stages=config.stages_prefill, enable_fp_fusion=False,
+        launch_pdl=p,
     )
 
 
@@ -744,6 +753,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, softmax_
     part = out if direct else torch.empty(B * hq * num_splits * (dim + 2), dtype=torch.float32,
                                           device=q.device)
     descs = kv_descriptors(k_cache, v_cache, config.block_n, config.decode_tma)
+    p = pdl(q)
     _decode_fwd_kernel[(num_splits, hk * cdiv(group, rows), B)](
         q, k_cache, v_cache, *(descs or (k_cache, v_cache)), block_tables, context_lens, out, part,
         softmax_scale * LOG2E, hq, group, rows, block_size, num_splits,
@@ -752,13 +762,13 @@ def launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, softmax_
         block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         TILES_PER_SPLIT=config.kv_split // config.block_n, UNMASKED_LOOP=config.unmasked_loop,
-        DIRECT=direct, DOT_FP32=EMULATE, PRECISION=_precision(q.dtype), TMA=descs is not None,
-        num_warps=config.num_warps, num_stages=config.stages_decode, enable_fp_fusion=False,
+        DIRECT=direct, DOT_FP32=EMULATE, PRECISION=_precision(q.dtype), TMA=descs is not None, PDL=p,
+        num_warps=config.num_warps, num_stages=config.stages_decode, enable_fp_fusion=False, launch_pdl=p,
     )
     if not direct:
         block_h = min(16, triton.next_power_of_2(hq))
         _decode_combine_kernel[(B, cdiv(hq, block_h))](
             part, context_lens, out, hq, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, BLOCK_H=block_h, SPLIT=config.kv_split, EMULATE=EMULATE,
-            num_warps=4, enable_fp_fusion=False,
+            HEAD_DIM=dim, BLOCK_H=block_h, SPLIT=config.kv_split, EMULATE=EMULATE, PDL=p,
+            num_warps=4, enable_fp_fusion=False, launch_pdl=p,
         )

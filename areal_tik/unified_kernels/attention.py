@@ -46,6 +46,7 @@ from ._attention_checks import HEAD_DIMS, paged_fast_ok, store_fast_ok, varlen_f
 from ._attention_bwd import BwdConfig
 from ._attention_fwd import FwdConfig
 from ._common import FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor
+from ._pdl import pdl, pdl_wait
 
 
 # ----------------------------------------------------------------------------- KV cache store
@@ -60,7 +61,9 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py)
 ):
+    pdl_wait(PDL)
     # Grid (T,): one program copies one token's K and V rows (all KV heads); bits are moved, not computed.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
@@ -220,12 +223,13 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = Tru
         return
     k, v = _unit_last_stride(k), _unit_last_stride(v)
     hk, dim = k.shape[1], k.shape[2]
+    p = pdl(k)
     _store_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1], hk,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(hk), num_warps=4,
+        HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(hk), PDL=p, num_warps=4, launch_pdl=p,
     )
 
 

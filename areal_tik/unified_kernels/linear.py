@@ -61,6 +61,7 @@ from ._common import grad_mm, interpreting
 from ._ktree import check_k_groups, combine_partials  # noqa: F401  (combine_partials: API of this module)
 from ._linear_checks import valid_fast_call, validate
 from ._linear_chain import _tiled_group, _tiled_tree, _tma_group, _tma_tree
+from ._pdl import pdl, pdl_wait
 from ._linear_tiles import (  # noqa: F401  (the tables: tuned by the search, read by tests and benches)
     _CPU_BUCKETS, _CPU_CANDIDATES, _CPU_FIXED, _CPU_PROGRAMS, _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED,
     _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates,
@@ -167,7 +168,9 @@ def _linear_fwd_kernel(
     INTERPRET: tl.constexpr,  # CPU interpreter: its bf16 dot is wrong; dot in fp64
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (ignored for bf16)
     K_GROUPS: tl.constexpr = 1,  # the K-group tree's G (1, 2, 4, 8); K % K_GROUPS == 0
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid: one program per BLOCK_M x BLOCK_N output tile, 1-D, in L2-grouped order.
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -213,7 +216,9 @@ def _linear_fwd_persistent_kernel(
     INTERPRET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     K_GROUPS: tl.constexpr = 1,  # the K-group tree's G; > 1 only with (K / G) % BLOCK_K == 0
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid: min(#SMs, #tiles) programs; program p computes tiles p, p + NUM_PROGRAMS, ...
     # in the same L2-grouped order as the tiled kernel. flatten=True (one group only) lets
     # the pipeliner issue the next tile's first TMA loads while this tile's epilogue runs;
@@ -309,16 +314,19 @@ def _plan(x2d, weight, out, has_bias: bool, k_groups: int) -> _Plan:
 
 
 def _launch_tiled(x2d, weight, bias, out, plan: _Plan) -> None:
-    _linear_fwd_kernel[plan.grid](x2d, weight, bias if bias is not None else out, out, *plan.ints, **plan.consts)
+    p = pdl(x2d)
+    _linear_fwd_kernel[plan.grid](x2d, weight, bias if bias is not None else out, out, *plan.ints, **plan.consts,
+                                  PDL=p, launch_pdl=p)
 
 
 def _launch_persistent(x2d, weight, bias, out, plan: _Plan) -> None:
     (M, N, K), (box_x, box_w, box_out) = plan.ints, plan.boxes
+    p = pdl(x2d)
     _linear_fwd_persistent_kernel[plan.grid](
         TensorDescriptor(x2d, [M, K], [x2d.stride(0), 1], list(box_x)),
         TensorDescriptor(weight, [N, K], [weight.stride(0), 1], list(box_w)),
         TensorDescriptor(out, [M, N], [N, 1], list(box_out)),
-        bias if bias is not None else out, M, N, K, **plan.consts)
+        bias if bias is not None else out, M, N, K, **plan.consts, PDL=p, launch_pdl=p)
 
 
 def _forward_into(x2d, weight, bias, out, config: TileConfig | None, k_groups: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor,
                       fp32_reductions, grad_mm, interpreting)
+from ._pdl import pdl, pdl_wait
 from ._rounding import cast_rne
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -73,7 +74,9 @@ def _lse_partial_kernel(
     SPLIT_V: tl.constexpr, GROUP_T: tl.constexpr,
     INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
     HAS_TARGETS: tl.constexpr, ENTROPY: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grouped program order (GROUP_T row blocks share one sweep of the splits) keeps the
     # working set in L2; it changes which program computes a tile, never how.
     pid = tl.program_id(0)
@@ -152,7 +155,9 @@ def _combine_kernel(
     ent_ptr,      # [T] fp32 out (ENTROPY)
     T, V, n_splits,
     BLOCK: tl.constexpr, HAS_TARGETS: tl.constexpr, ENTROPY: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # One program per BLOCK rows; splits merged in index order 0, 1, ..., n_splits - 1.
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < T
@@ -264,6 +269,7 @@ def _partial(hidden, weight, targets, temperature, entropy, write_logits, tiles)
     tz = _empty((T,) if has_t else (1,), torch.float32, dev)
     logits = _empty((T, V) if write_logits else (1, 1), weight.dtype, dev)
     grid = (triton.cdiv(T, tiles.block_t) * n_splits,)
+    p = pdl(hidden)
     _lse_partial_kernel[grid](
         hidden, weight, targets if has_t else tz, logits, state, tz, T, V, H, n_splits,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), logits.stride(0),
@@ -271,9 +277,10 @@ def _partial(hidden, weight, targets, temperature, entropy, write_logits, tiles)
         BLOCK_T=tiles.block_t, BLOCK_V=tiles.block_v, BLOCK_K=tiles.block_k,
         SPLIT_V=tiles.split_v, GROUP_T=tiles.group_t,
         INTERPRET=interpreting(), PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-        HAS_TARGETS=has_t, ENTROPY=entropy, WRITE_LOGITS=write_logits,
+        HAS_TARGETS=has_t, ENTROPY=entropy, WRITE_LOGITS=write_logits, PDL=p,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         enable_fp_fusion=False,  # no FMA contraction: the same rounding in every variant
+        launch_pdl=p,
     )
     return state, tz, (logits if write_logits else None)
 
@@ -286,10 +293,11 @@ def _combine(state, tz, targets, V, entropy):
     lse = _empty((T,), torch.float32, dev)
     lp = _empty((T,), torch.float32, dev) if has_t else None
     ent = _empty((T,), torch.float32, dev) if entropy else None
+    p = pdl(state)
     _combine_kernel[(triton.cdiv(T, _COMBINE_BLOCK),)](
         state, tz, targets if has_t else tz, lse, lp if has_t else lse, ent if entropy else lse,
         T, V, n_splits,
-        BLOCK=_COMBINE_BLOCK, HAS_TARGETS=has_t, ENTROPY=entropy, enable_fp_fusion=False,
+        BLOCK=_COMBINE_BLOCK, HAS_TARGETS=has_t, ENTROPY=entropy, PDL=p, enable_fp_fusion=False, launch_pdl=p,
     )
     return lp, ent, lse
 

@@ -39,6 +39,7 @@ import triton.language as tl
 from ._common import (FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor, interpreting,
                       on_fast_device)
 from ._rounding import cast_rne
+from ._pdl import pdl, pdl_wait
 
 # Kernels round with integer ops under the interpreter (see _rounding.py).
 _EMULATE_RNE = interpreting()
@@ -164,7 +165,9 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
     HEADS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid: one program per ROWS consecutive rows; rows are independent (rows past
     # n_rows are masked: they read zeros and store nothing). Reduction: see module doc.
     # HEADS > 0 (the per-head form, no residual, one chunk): x is [T, HEADS, H] with unit
@@ -270,10 +273,11 @@ def _forward(x, residual, weight, eps, config: NormConfig | None = None):
     y = torch.empty_like(x2)
     s = torch.empty_like(x2) if residual is not None else y
     n_rows = x2.shape[0]
+    p = pdl(x2)
     _rms_norm_fwd_kernel[((n_rows + cfg.rows - 1) // cfg.rows,)](
         x2, r2, w, y, s, n_rows, eps, hidden,
         H=hidden, BLOCK=cfg.block, N_CHUNKS=cfg.n_chunks, ROWS=cfg.rows,
-        HAS_RESIDUAL=residual is not None, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
+        HAS_RESIDUAL=residual is not None, EMULATE_RNE=_EMULATE_RNE, PDL=p, num_warps=cfg.num_warps, launch_pdl=p,
     )
     if x2 is x:
         return y, (s if residual is not None else None)
@@ -295,10 +299,11 @@ def _forward_heads(x, weight, eps, cfg: NormConfig):
     w = weight if weight.is_contiguous() and weight.data_ptr() % 16 == 0 else _rows(weight, hidden)
     y = torch.empty((tokens, heads, hidden), dtype=x.dtype, device=x.device)
     n_rows = tokens * heads
+    p = pdl(x)
     _rms_norm_fwd_kernel[((n_rows + cfg.rows - 1) // cfg.rows,)](
         x, x, w, y, y, n_rows, eps, x.stride(0),
         H=hidden, BLOCK=cfg.block, N_CHUNKS=1, ROWS=cfg.rows,
-        HAS_RESIDUAL=False, EMULATE_RNE=_EMULATE_RNE, HEADS=heads, num_warps=cfg.num_warps,
+        HAS_RESIDUAL=False, EMULATE_RNE=_EMULATE_RNE, HEADS=heads, PDL=p, num_warps=cfg.num_warps, launch_pdl=p,
     )
     return y
 

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor, interpreting
 from ._rounding import cast_rne
+from ._pdl import pdl, pdl_wait
 from .reference import rope_inv_freq
 
 # Kernels round with integer ops under the interpreter (see _rounding.py).
@@ -153,7 +154,9 @@ def _rope_kernel(
     TOKENS: tl.constexpr,
     BACKWARD: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid: one program per TOKENS consecutive tokens (tokens past T are masked); no
     # reduction. Each token's cos/sin row is loaded once for all its q and k heads.
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
@@ -190,11 +193,13 @@ def _launch(q, k, positions, cos, sin, backward: bool, config: RopeConfig | None
     cfg = config or rope_config(hq, hk, d)
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    p = pdl(q)
     _rope_kernel[((n_tokens + cfg.tokens - 1) // cfg.tokens,)](
         q, k, q_out, k_out, positions, cos, sin, n_tokens, cos.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=_pow2(hq), BLOCK_HK=_pow2(hk), BLOCK_HALF=_pow2(d // 2),
-        TOKENS=cfg.tokens, BACKWARD=backward, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
+        TOKENS=cfg.tokens, BACKWARD=backward, EMULATE_RNE=_EMULATE_RNE, PDL=p, num_warps=cfg.num_warps,
+        launch_pdl=p,
     )
     return q_out, k_out
 

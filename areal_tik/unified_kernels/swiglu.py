@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_tensor, interpreting, on_fast_device
+from ._pdl import pdl, pdl_wait
 from ._rounding import cast_rne
 
 # Kernels round with integer ops under the interpreter (see _rounding.py).
@@ -78,7 +79,9 @@ def _silu_mul_fwd_kernel(
     I: tl.constexpr,
     BLOCK: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
 ):
+    pdl_wait(PDL)
     # Grid: (row, block of BLOCK columns); the grid covers the rows exactly.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -132,9 +135,10 @@ def _forward(gate_up: torch.Tensor, config: SiluConfig | None = None) -> torch.T
     gu = _rows(gate_up)
     out = gu.new_empty((gu.shape[0], inter))
     cfg = config or silu_config(inter)
+    p = pdl(gu)
     _silu_mul_fwd_kernel[(gu.shape[0], (inter + cfg.block - 1) // cfg.block)](
         gu, out, gu.stride(0),
-        I=inter, BLOCK=cfg.block, EMULATE_RNE=_EMULATE_RNE, num_warps=cfg.num_warps,
+        I=inter, BLOCK=cfg.block, EMULATE_RNE=_EMULATE_RNE, PDL=p, num_warps=cfg.num_warps, launch_pdl=p,
     )
     return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], inter)
 

@@ -1,0 +1,76 @@
+"""Programmatic dependent launch (PDL) for the forward kernels: launch gaps, not numerics.
+
+Why: a decode step is a chain of ~360 small kernels, and inside its CUDA graph the GPU
+idles ~1.6 us between two of them (H100, Qwen3-0.6B config, batch 64: 0.57 ms of a 2.73 ms
+step, ``eval/results/2026-12-07_h100_eb9edf2/``). With PDL (Hopper and newer) a kernel
+launched with ``launch_pdl=True`` may start while the kernel before it on the stream is
+still running; its programs block in ``griddepcontrol.wait`` until that kernel has
+finished and its memory writes are visible, so the launch latency and the program start-up
+overlap the previous kernel's tail.
+
+Why the bits do not move: ``wait`` is the first thing a launched program does, before it
+reads or writes any global memory, so every load sees exactly what it saw without PDL
+(the wait returns once the whole previous grid has completed and flushed). Nothing in the
+arithmetic changes; the compiled kernels differ only by the two instructions at the top.
+The dependency is transitive: kernel C waits for B, and B could not finish before its own
+wait for A returned. A kernel launched without PDL (a torch op, a backward kernel) waits
+for its predecessor as usual, and one launched after it waits for it.
+
+``launch_dependents`` right after the wait lets the next kernel's programs be scheduled as
+soon as every program of this one has started: at most two kernels are resident, and the
+next one only takes SM slots this one no longer needs (all its programs already run).
+
+On: ``AREAL_TIK_PDL`` (default 1) and a CUDA tensor on a device of compute capability 9 or
+newer, outside the interpreter (whose inline assembly is not executed; there the flag is
+always False, so CPU runs compile and run exactly the kernels they did before).
+``ENABLED`` is read at launch time, so a benchmark can time both in one process; a CUDA
+graph keeps what it was captured with.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+
+try:  # triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: PDL never switches on
+    gdc_launch_dependents = gdc_wait = None
+
+ENABLED = os.environ.get("AREAL_TIK_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Launch the next forward kernel on ``t``'s device with PDL? (see module doc)"""
+    return ENABLED and gdc_wait is not None and t.is_cuda and not interpreting() and _capable(t.get_device())
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+    """``ENABLED`` set to ``on`` inside the block (a benchmark's side-by-side runs)."""
+    global ENABLED
+    saved, ENABLED = ENABLED, on
+    try:
+        yield
+    finally:
+        ENABLED = saved
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """The first statement of every forward kernel: with PDL, wait for the previous kernel
+    on the stream (its writes visible), then let the next one be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -1,0 +1,178 @@
+"""Programmatic dependent launch (unified_kernels/_pdl.py): launch gaps only, never bits.
+
+CPU: every kernel that can be launched with PDL waits for its predecessor before anything
+else, every PDL launch passes the kernel its PDL flag, and the decode step's kernels all take
+part; PDL stays off on the CPU and under the interpreter. GPU (``-m gpu``): decode graphs and
+whole engine runs give the same bits with PDL on and off, equal to the packed training
+forward, replay after replay.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import areal_tik
+from areal_tik.unified_kernels import _pdl
+
+ROOT = pathlib.Path(areal_tik.__file__).parent
+
+# The forward kernels: a decode step (norms, projections, rope, K/V store, paged attention and
+# its combine, SwiGLU, the LM head's LSE, the Gumbel draw), prefill and training forward.
+PDL_KERNELS = {
+    "_rms_norm_fwd_kernel", "_linear_fwd_kernel", "_linear_fwd_persistent_kernel", "_rope_kernel",
+    "_store_kv_kernel", "_prefill_fwd_kernel", "_decode_fwd_kernel", "_decode_combine_kernel",
+    "_silu_mul_fwd_kernel", "_lse_partial_kernel", "_combine_kernel", "_gumbel_argmax_kernel",
+    "_gumbel_combine_kernel",
+}
+
+
+def _sources():
+    for path in sorted(ROOT.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), str(path))
+
+
+def _is_jit(node) -> bool:
+    for dec in node.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if isinstance(target, ast.Attribute) and target.attr == "jit":
+            return True
+    return False
+
+
+def _kernels_with_pdl() -> dict[str, tuple[pathlib.Path, ast.FunctionDef]]:
+    found = {}
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and _is_jit(node) and any(a.arg == "PDL" for a in node.args.args):
+                found[node.name] = (path, node)
+    return found
+
+
+def _body_without_docstring(fn: ast.FunctionDef) -> list:
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body
+
+
+def test_every_pdl_kernel_waits_before_anything_else():
+    kernels = _kernels_with_pdl()
+    assert set(kernels) == PDL_KERNELS | {"pdl_wait"}
+    for name, (path, fn) in kernels.items():
+        if name == "pdl_wait":
+            continue
+        first = _body_without_docstring(fn)[0]
+        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and ast.unparse(first.value) == "pdl_wait(PDL)"), (
+            f"{path.name}:{fn.lineno} {name}: its first statement must be pdl_wait(PDL), "
+            f"got {ast.unparse(first)!r} (a load before the wait may read the previous kernel's "
+            "unfinished output)")
+        default = fn.args.defaults[-1] if fn.args.args[-1].arg == "PDL" else None
+        assert default is not None and ast.unparse(default) == "False", f"{name}: PDL must default to False"
+
+
+def test_every_pdl_launch_passes_the_same_flag_to_the_kernel():
+    kernels = _kernels_with_pdl()
+    launches = 0
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
+                continue
+            kw = {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
+            name = ast.unparse(node.func.value)
+            if "launch_pdl" not in kw:
+                continue
+            launches += 1
+            where = f"{path.name}:{node.lineno} {name}"
+            assert name in kernels, f"{where}: launched with PDL but has no PDL parameter (it would not wait)"
+            assert kw.get("PDL") == kw["launch_pdl"], f"{where}: PDL={kw.get('PDL')} but launch_pdl={kw['launch_pdl']}"
+    assert launches >= len(PDL_KERNELS)
+
+
+def test_pdl_is_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
+    with _pdl.enabled(True):
+        assert not _pdl.pdl(torch.zeros(2))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with _pdl.enabled(True):
+        assert not _pdl.pdl(torch.zeros(2))
+    before = _pdl.ENABLED
+    with _pdl.enabled(not before):
+        assert _pdl.ENABLED is (not before)
+    assert _pdl.ENABLED is before
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def _hopper() -> None:
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or newer")
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_decode_graph_replays_to_the_bits_without_pdl():
+    """Decode of 5 sequences (one crossing the 2048-position KV split: the split kernel and its
+    combine) captured with PDL, replayed 50 times: each replay equals eager decode without
+    PDL and the packed training rows."""
+    _hopper()
+    from .test_model_gpu import GPU_BLOCK, _gpu_model
+    from ._bits import assert_bitwise
+    from ._model_utils import PagedLayout, make_seqs, packed_rows, prefill_rows
+
+    m = _gpu_model("Qwen3-0.6B")
+    seqs = make_seqs((30, 70, 5, 200, 2100), m.spec.vocab, seed=29)
+    prompts = [len(s) - 1 for s in seqs]
+    ids = list(range(len(seqs)))
+    layout = PagedLayout(m, [len(s) for s in seqs], GPU_BLOCK, seed=9)
+    with torch.no_grad():
+        prefill_rows(m, layout, seqs, ids, prompts)
+        inputs = dict(
+            input_ids=torch.stack([seqs[i][prompts[i]] for i in ids]).cuda(),
+            positions=torch.tensor(prompts, dtype=torch.int64, device="cuda"),
+            slot_mapping=torch.cat([layout.slots(i, [prompts[i]]) for i in ids]),
+            block_tables=layout.block_tables(ids),
+            context_lens=torch.tensor([p + 1 for p in prompts], dtype=torch.int32, device="cuda"),
+        )
+        with _pdl.enabled(False):
+            eager = m.decode(cache=layout.cache, **inputs)
+        with _pdl.enabled(True):
+            assert _pdl.pdl(eager)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                m.decode(cache=layout.cache, **inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = m.decode(cache=layout.cache, **inputs)
+        for replay in range(50):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_bitwise(out, eager, f"replay {replay}: PDL graph vs eager decode without PDL")
+    packed = packed_rows(m, seqs)
+    assert_bitwise(out, torch.stack([packed[(i, prompts[i])] for i in ids]), "PDL graph vs packed training rows")
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_engine_runs_equal_without_pdl_and_training():
+    """The engine (CUDA graphs, overlapped steps, batches shrinking as requests end) with PDL
+    on and off: the same tokens and log-prob bits, equal to the packed training forward."""
+    _hopper()
+    from areal_tik.engine import LLM, EngineConfig, SamplingParams
+    from .test_model_gpu import _gpu_model
+    from ._engine_utils import assert_bitwise_logprobs, assert_same_outputs, prompts_of
+
+    m = _gpu_model("Qwen3-0.6B")
+    prompts = prompts_of([5, 40, 130, 9, 300, 64, 17, 2], seed=31, vocab=m.spec.vocab)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in (40, 7, 64, 21, 33, 1, 50, 12)]
+    outputs = {}
+    for on in (True, False):
+        with _pdl.enabled(on), LLM(m, EngineConfig(max_num_seqs=8, max_model_len=512, kv_block_size=64,
+                                                      cuda_graphs=True, seed=3)) as llm:
+            outputs[on] = llm.generate(prompts, params)
+    assert_same_outputs(outputs[True], outputs[False])
+    assert_bitwise_logprobs(m, outputs[True])
