@@ -19,7 +19,8 @@ sampler into the graph saves per step.
 
 ``--backends ... unified-serial`` adds the unified engine without overlapped decode steps
 (``overlap_steps=False``), ``unified-nopdl`` the unified engine with programmatic dependent
-launch off (``unified_kernels/_pdl.py``): what each saves, side by side in one run.
+launch off (``unified_kernels/_pdl.py``), ``unified-noprefetch`` with PDL but without the
+small-row linears' L2 weight prefetch: what each saves, side by side in one run.
 
 ``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
 residual add + RMSNorm, rope, SiLU-mul) under ``torch.compile``, as vLLM compiles its model
@@ -60,7 +61,8 @@ PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
-BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler", "unified-serial", "unified-nopdl")
+BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler", "unified-serial", "unified-nopdl",
+            "unified-noprefetch")
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
 
 
@@ -101,7 +103,8 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops ("compiled": the
     standard set with its elementwise ops compiled)."""
     ops = {"compiled": compiled_standard_ops(), "unified-eager-sampler": "unified",
-           "unified-serial": "unified", "unified-nopdl": "unified"}.get(kernels, kernels)
+           "unified-serial": "unified", "unified-nopdl": "unified",
+           "unified-noprefetch": "unified"}.get(kernels, kernels)
     model = UnifiedCausalLM.from_hf(hf_model, kernels=ops)
     # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
     # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
@@ -109,8 +112,10 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     options = {"unified-eager-sampler": {"graph_sample_temperature": None},
                "unified-serial": {"overlap_steps": False}}.get(kernels, {})
     # "unified-nopdl": the unified engine with programmatic dependent launch off (its graphs
-    # captured and its eager prefills launched without it; unified_kernels/_pdl.py)
-    with _pdl.enabled(_pdl.ENABLED and kernels != "unified-nopdl"), \
+    # captured and its eager prefills launched without it; unified_kernels/_pdl.py);
+    # "unified-noprefetch": with PDL but without the small-row linears' L2 weight prefetch
+    with _pdl.enabled(_pdl.ENABLED and kernels != "unified-nopdl",
+                      weight_prefetch=_pdl.PREFETCH and kernels != "unified-noprefetch"), \
             LLM(model, engine_config(shapes, block, **options)) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
@@ -283,7 +288,8 @@ def ratio_rows(model_name, results, info) -> list[dict]:
                  ("compiled/standard", "standard", "compiled"),
                  ("unified/unified-eager-sampler", "unified-eager-sampler", "unified"),
                  ("unified/unified-serial", "unified-serial", "unified"),
-                 ("unified/unified-nopdl", "unified-nopdl", "unified"))
+                 ("unified/unified-nopdl", "unified-nopdl", "unified"),
+                 ("unified/unified-noprefetch", "unified-noprefetch", "unified"))
         for name, slow, fast in pairs:
             if slow in results and fast in results:
                 rows.append(dict(base, backend=name, metric="speedup",
@@ -294,14 +300,14 @@ def ratio_rows(model_name, results, info) -> list[dict]:
 def summarize(results) -> None:
     print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
           + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8} {'uni/serial':>8}"
-          + f" {'uni/nopdl':>9}")
+          + f" {'uni/nopdl':>9} {'uni/noprefetch':>14}")
     for shape in results["unified"]:
         batch, new = shape
         rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
         uni = results["unified"][shape]
         ratios = " ".join(f"{results[b][shape] / uni:8.2f}" if shape in results.get(b, {}) else f"{'-':>8}"
                           for b in ("standard", "hf", "compiled", "unified-eager-sampler", "unified-serial",
-                                    "unified-nopdl"))
+                                    "unified-nopdl", "unified-noprefetch"))
         print(f"{batch:5d} {new:4d} {rates} {ratios}")
 
 

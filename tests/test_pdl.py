@@ -9,7 +9,11 @@ forward, replay after replay.
 from __future__ import annotations
 
 import ast
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,20 +62,70 @@ def _body_without_docstring(fn: ast.FunctionDef) -> list:
     return body
 
 
-def test_every_pdl_kernel_waits_before_anything_else():
+# Calls allowed before the wait: index arithmetic, no memory access (the tile order helper is
+# integer arithmetic on its arguments).
+BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.cdiv", "tl.num_programs", "_tile_coords", "to"}
+WAITS = {"pdl_wait", "l2_prefetch_rows_then_wait"}
+
+
+def _call_name(call: ast.Call) -> str:
+    func = call.func
+    if isinstance(func, ast.Attribute) and not isinstance(func.value, ast.Name):
+        return func.attr  # a method such as (x % n).to(...)
+    return ast.unparse(func)
+
+
+def test_every_pdl_kernel_waits_before_any_memory_access():
     kernels = _kernels_with_pdl()
-    assert set(kernels) == PDL_KERNELS | {"pdl_wait"}
+    assert set(kernels) == PDL_KERNELS | {"pdl_wait", "l2_prefetch_rows_then_wait"}
     for name, (path, fn) in kernels.items():
-        if name == "pdl_wait":
+        if name in WAITS:
             continue
-        first = _body_without_docstring(fn)[0]
-        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                and ast.unparse(first.value) == "pdl_wait(PDL)"), (
-            f"{path.name}:{fn.lineno} {name}: its first statement must be pdl_wait(PDL), "
-            f"got {ast.unparse(first)!r} (a load before the wait may read the previous kernel's "
-            "unfinished output)")
-        default = fn.args.defaults[-1] if fn.args.args[-1].arg == "PDL" else None
-        assert default is not None and ast.unparse(default) == "False", f"{name}: PDL must default to False"
+        where = f"{path.name}:{fn.lineno} {name}"
+        body = _body_without_docstring(fn)
+        waits = [i for i, st in enumerate(body) if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call)
+                 and _call_name(st.value) in WAITS and "PDL" in ast.unparse(st.value)]
+        assert waits, f"{where}: no pdl_wait(PDL) / l2_prefetch_rows_then_wait(..., PDL, ...) at its top level"
+        for st in body[:waits[0]]:
+            calls = {_call_name(c) for c in ast.walk(st) if isinstance(c, ast.Call)}
+            assert calls <= BEFORE_WAIT and not isinstance(st, (ast.If, ast.For, ast.While, ast.Return)), (
+                f"{where}: {ast.unparse(st)!r} runs before the wait (a load there may read the previous "
+                "kernel's unfinished output)")
+        default = fn.args.defaults[-1] if fn.args.args[-1].arg in ("PDL", "PREFETCH_W") else None
+        assert default is not None and ast.unparse(default) == "False", f"{where}: PDL must default to False"
+
+
+_PTX_PROBE = """
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton, importlib
+kernel = importlib.import_module("areal_tik.unified_kernels.linear")._linear_fwd_kernel
+consts = dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True, EVEN_K=True, MASK_ROWS=True,
+              INTERPRET=False, DOT_PRECISION="tf32", K_GROUPS=1, PDL=True, PREFETCH_W=True)
+signature = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+src = ASTSource(fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=6, launch_pdl=True))
+json.dump(ptx.asm["ptx"].splitlines(), sys.stdout)
+"""
+
+
+def test_linear_ptx_waits_before_its_first_global_access():
+    """The generated sm_90a code (compiled here by triton's own ptxas, no GPU needed): in the
+    small-row linear with PDL and the weight prefetch, the L2 prefetch precedes
+    griddepcontrol.wait and every global load, store and async copy follows it."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT.parent))
+    done = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout)
+
+    def first(pattern):
+        return next(i for i, line in enumerate(ptx) if pattern in line)
+    wait = first("griddepcontrol.wait")
+    assert first("cp.async.bulk.prefetch.L2.global") < wait < first("griddepcontrol.launch_dependents")
+    access = [i for i, line in enumerate(ptx)
+              if any(op in line for op in ("ld.global", "st.global", "cp.async.ca", "cp.async.cg", "atom.global"))]
+    assert access and min(access) > wait, f"a global access at PTX line {min(access)}, the wait at {wait}"
 
 
 def test_every_pdl_launch_passes_the_same_flag_to_the_kernel():

@@ -20,6 +20,15 @@ for its predecessor as usual, and one launched after it waits for it.
 soon as every program of this one has started: at most two kernels are resident, and the
 next one only takes SM slots this one no longer needs (all its programs already run).
 
+Weight prefetch (``PREFETCH``, ``AREAL_TIK_PDL_PREFETCH``, default 1; only with PDL): a
+small-row linear program asks L2 for its whole weight slice before it waits
+(``l2_prefetch_rows_then_wait``), so the weights stream while the previous kernel (a norm,
+rope, attention) still runs. ``cp.async.bulk.prefetch.L2`` moves lines into L2 and nothing
+into the program; L2 is where every SM's global loads and stores meet, so a line that the
+previous kernel writes after the prefetch is updated there and the loads after the wait
+read the written value. So even data a predecessor writes could not be read stale; the
+weights of a forward are not written by any kernel of it anyway.
+
 On: ``AREAL_TIK_PDL`` (default 1) and a CUDA tensor on a device of compute capability 9 or
 newer, outside the interpreter (whose inline assembly is not executed; there the flag is
 always False, so CPU runs compile and run exactly the kernels they did before).
@@ -44,6 +53,7 @@ except ImportError:  # pragma: no cover - older triton: PDL never switches on
     gdc_launch_dependents = gdc_wait = None
 
 ENABLED = os.environ.get("AREAL_TIK_PDL", "1") != "0"
+PREFETCH = os.environ.get("AREAL_TIK_PDL_PREFETCH", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,15 +66,23 @@ def pdl(t: torch.Tensor) -> bool:
     return ENABLED and gdc_wait is not None and t.is_cuda and not interpreting() and _capable(t.get_device())
 
 
+def prefetch(t: torch.Tensor) -> bool:
+    """With PDL on ``t``'s device, also prefetch a small-row linear's weights (module doc)."""
+    return PREFETCH and pdl(t)
+
+
 @contextlib.contextmanager
-def enabled(on: bool):
-    """``ENABLED`` set to ``on`` inside the block (a benchmark's side-by-side runs)."""
-    global ENABLED
-    saved, ENABLED = ENABLED, on
+def enabled(on: bool, weight_prefetch: bool | None = None):
+    """``ENABLED`` (and ``PREFETCH`` when given) set inside the block (a benchmark's
+    side-by-side runs)."""
+    global ENABLED, PREFETCH
+    saved = ENABLED, PREFETCH
+    ENABLED = on
+    PREFETCH = saved[1] if weight_prefetch is None else weight_prefetch
     try:
         yield
     finally:
-        ENABLED = saved
+        ENABLED, PREFETCH = saved
 
 
 @triton.jit
@@ -72,5 +90,19 @@ def pdl_wait(PDL: tl.constexpr):
     """The first statement of every forward kernel: with PDL, wait for the previous kernel
     on the stream (its writes visible), then let the next one be scheduled."""
     if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def l2_prefetch_rows_then_wait(row_ptrs, row_bytes, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """``pdl_wait`` preceded, when PREFETCH (only with PDL), by one L2 bulk prefetch of
+    ``row_bytes`` bytes from each of ``row_ptrs`` (16-byte aligned, row_bytes a multiple of
+    16): lines into L2, no data into the program (module doc: why this cannot read stale)."""
+    if PDL:
+        if PREFETCH:
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                      [row_ptrs, tl.full(row_ptrs.shape, row_bytes, tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         gdc_wait()
         gdc_launch_dependents()

@@ -61,7 +61,7 @@ from ._common import grad_mm, interpreting
 from ._ktree import check_k_groups, combine_partials  # noqa: F401  (combine_partials: API of this module)
 from ._linear_checks import valid_fast_call, validate
 from ._linear_chain import _tiled_group, _tiled_tree, _tma_group, _tma_tree
-from ._pdl import pdl, pdl_wait
+from ._pdl import l2_prefetch_rows_then_wait, pdl, pdl_wait, prefetch
 from ._linear_tiles import (  # noqa: F401  (the tables: tuned by the search, read by tests and benches)
     _CPU_BUCKETS, _CPU_CANDIDATES, _CPU_FIXED, _CPU_PROGRAMS, _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED,
     _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates,
@@ -169,19 +169,23 @@ def _linear_fwd_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (ignored for bf16)
     K_GROUPS: tl.constexpr = 1,  # the K-group tree's G (1, 2, 4, 8); K % K_GROUPS == 0
     PDL: tl.constexpr = False,  # programmatic dependent launch (_pdl.py): no numerics
+    PREFETCH_W: tl.constexpr = False,  # with PDL: this program's weight rows into L2 first (_pdl.py)
 ):
-    pdl_wait(PDL)
     # Grid: one program per BLOCK_M x BLOCK_N output tile, 1-D, in L2-grouped order.
+    # (Index arithmetic only before the wait: no load reads what an earlier kernel writes.)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     # Out-of-range rows/cols are wrapped onto valid ones so the operand loads need no
     # M/N mask; they only feed outputs that are never stored (rows never mix in a dot).
     # With MASK_ROWS the missing rows read zeros instead: at M=1 in a 64x32 tile a K
     # block would otherwise copy 8 KiB of repeated x rows next to 4 KiB of weight.
-    rows = (offs_m % M).to(tl.int64)
     cols = (offs_n % N).to(tl.int64)
+    # PREFETCH_W: the weight is K-contiguous with 16-byte aligned rows (the launcher checks).
+    l2_prefetch_rows_then_wait(w_ptr + cols * stride_wn, K * w_ptr.dtype.element_ty.primitive_bitwidth // 8,
+                               PDL, PREFETCH_W)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = (offs_m % M).to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
 
@@ -264,6 +268,21 @@ class _Plan:  # one launch's kernel, grid, int and constexpr arguments, TMA boxe
     ints: tuple  # M, N, K, then (tiled) the strides of x, weight and out
     consts: dict
     boxes: tuple = ()
+    prefetch_w: bool = False  # tiled, few rows, rows fit the L2 bulk prefetch (_prefetch_rows_ok)
+
+
+# Rows up to which the tiled kernel prefetches its weight slice into L2 under PDL: the
+# streaming buckets, where each weight tile is read by one to four programs and the time is
+# the weight's bytes (_linear_tiles); above them the kernel is compute-bound.
+_PREFETCH_MAX_ROWS = 256
+
+
+def _prefetch_rows_ok(weight, K: int) -> bool:
+    # cp.async.bulk.prefetch.L2: 16-byte aligned source, a multiple of 16 bytes: whole
+    # K-contiguous weight rows at 16-byte aligned addresses.
+    size = weight.element_size()
+    return (weight.stride(1) == 1 and (weight.stride(0) * size) % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (K * size) % 16 == 0)
 
 
 def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_groups: int) -> _Plan:
@@ -288,7 +307,8 @@ def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_gr
                      ((bm, bk), (bn, bk), (bm, bn // 2 if split else bn)))
     return _Plan(False, (triton.cdiv(M, bm) * triton.cdiv(N, bn),),
                  (M, N, K, x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0)),
-                 dict(options, EVEN_K=(K // k_groups) % bk == 0, MASK_ROWS=M < bm))
+                 dict(options, EVEN_K=(K // k_groups) % bk == 0, MASK_ROWS=M < bm),
+                 prefetch_w=M <= _PREFETCH_MAX_ROWS and _prefetch_rows_ok(weight, K))
 
 
 # Plans by everything ``_make_plan`` reads (shapes, strides, dtypes, device, 16-byte alignment
@@ -316,7 +336,7 @@ def _plan(x2d, weight, out, has_bias: bool, k_groups: int) -> _Plan:
 def _launch_tiled(x2d, weight, bias, out, plan: _Plan) -> None:
     p = pdl(x2d)
     _linear_fwd_kernel[plan.grid](x2d, weight, bias if bias is not None else out, out, *plan.ints, **plan.consts,
-                                  PDL=p, launch_pdl=p)
+                                  PDL=p, PREFETCH_W=plan.prefetch_w and prefetch(x2d), launch_pdl=p)
 
 
 def _launch_persistent(x2d, weight, bias, out, plan: _Plan) -> None:
