@@ -19,8 +19,8 @@ sampler into the graph saves per step.
 
 ``--backends ... unified-serial`` adds the unified engine without overlapped decode steps
 (``overlap_steps=False``), ``unified-nopdl`` the unified engine with programmatic dependent
-launch off (``unified_kernels/_pdl.py``), ``unified-noprefetch`` with PDL but without the
-small-row linears' L2 weight prefetch: what each saves, side by side in one run.
+launch off (``unified_kernels/_pdl.py``), ``unified-prefetch`` with PDL and the small-row
+linears' L2 weight prefetch (off by default): what each changes, side by side in one run.
 
 ``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
 residual add + RMSNorm, rope, SiLU-mul) under ``torch.compile``, as vLLM compiles its model
@@ -62,7 +62,7 @@ PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
 BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler", "unified-serial", "unified-nopdl",
-            "unified-noprefetch")
+            "unified-prefetch")
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
 
 
@@ -104,7 +104,7 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     standard set with its elementwise ops compiled)."""
     ops = {"compiled": compiled_standard_ops(), "unified-eager-sampler": "unified",
            "unified-serial": "unified", "unified-nopdl": "unified",
-           "unified-noprefetch": "unified"}.get(kernels, kernels)
+           "unified-prefetch": "unified"}.get(kernels, kernels)
     model = UnifiedCausalLM.from_hf(hf_model, kernels=ops)
     # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
     # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
@@ -113,9 +113,9 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
                "unified-serial": {"overlap_steps": False}}.get(kernels, {})
     # "unified-nopdl": the unified engine with programmatic dependent launch off (its graphs
     # captured and its eager prefills launched without it; unified_kernels/_pdl.py);
-    # "unified-noprefetch": with PDL but without the small-row linears' L2 weight prefetch
+    # "unified-prefetch": with PDL and the small-row linears' L2 weight prefetch (off by default)
     with _pdl.enabled(_pdl.ENABLED and kernels != "unified-nopdl",
-                      weight_prefetch=_pdl.PREFETCH and kernels != "unified-noprefetch"), \
+                      weight_prefetch=_pdl.PREFETCH or kernels == "unified-prefetch"), \
             LLM(model, engine_config(shapes, block, **options)) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
@@ -289,7 +289,7 @@ def ratio_rows(model_name, results, info) -> list[dict]:
                  ("unified/unified-eager-sampler", "unified-eager-sampler", "unified"),
                  ("unified/unified-serial", "unified-serial", "unified"),
                  ("unified/unified-nopdl", "unified-nopdl", "unified"),
-                 ("unified/unified-noprefetch", "unified-noprefetch", "unified"))
+                 ("unified/unified-prefetch", "unified-prefetch", "unified"))
         for name, slow, fast in pairs:
             if slow in results and fast in results:
                 rows.append(dict(base, backend=name, metric="speedup",
@@ -300,14 +300,14 @@ def ratio_rows(model_name, results, info) -> list[dict]:
 def summarize(results) -> None:
     print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
           + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8} {'uni/serial':>8}"
-          + f" {'uni/nopdl':>9} {'uni/noprefetch':>14}")
+          + f" {'uni/nopdl':>9} {'uni/prefetch':>12}")
     for shape in results["unified"]:
         batch, new = shape
         rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
         uni = results["unified"][shape]
         ratios = " ".join(f"{results[b][shape] / uni:8.2f}" if shape in results.get(b, {}) else f"{'-':>8}"
                           for b in ("standard", "hf", "compiled", "unified-eager-sampler", "unified-serial",
-                                    "unified-nopdl", "unified-noprefetch"))
+                                    "unified-nopdl", "unified-prefetch"))
         print(f"{batch:5d} {new:4d} {rates} {ratios}")
 
 

@@ -147,8 +147,8 @@ def test_every_pdl_launch_passes_the_same_flag_to_the_kernel():
 
 
 def test_pdl_is_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
-    with _pdl.enabled(True):
-        assert not _pdl.pdl(torch.zeros(2))
+    with _pdl.enabled(True, weight_prefetch=True):
+        assert not _pdl.pdl(torch.zeros(2)) and not _pdl.prefetch(torch.zeros(2))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with _pdl.enabled(True):
         assert not _pdl.pdl(torch.zeros(2))
@@ -213,8 +213,9 @@ def test_gpu_pdl_decode_graph_replays_to_the_bits_without_pdl():
 
 @pytest.mark.gpu
 def test_gpu_pdl_engine_runs_equal_without_pdl_and_training():
-    """The engine (CUDA graphs, overlapped steps, batches shrinking as requests end) with PDL
-    on and off: the same tokens and log-prob bits, equal to the packed training forward."""
+    """The engine (CUDA graphs, overlapped steps, batches shrinking as requests end) without
+    PDL, with PDL, and with PDL and the linears' L2 weight prefetch: the same tokens and
+    log-prob bits, equal to the packed training forward."""
     _hopper()
     from areal_tik.engine import LLM, EngineConfig, SamplingParams
     from .test_model_gpu import _gpu_model
@@ -224,9 +225,10 @@ def test_gpu_pdl_engine_runs_equal_without_pdl_and_training():
     prompts = prompts_of([5, 40, 130, 9, 300, 64, 17, 2], seed=31, vocab=m.spec.vocab)
     params = [SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True) for n in (40, 7, 64, 21, 33, 1, 50, 12)]
     outputs = {}
-    for on in (True, False):
-        with _pdl.enabled(on), LLM(m, EngineConfig(max_num_seqs=8, max_model_len=512, kv_block_size=64,
-                                                      cuda_graphs=True, seed=3)) as llm:
-            outputs[on] = llm.generate(prompts, params)
-    assert_same_outputs(outputs[True], outputs[False])
-    assert_bitwise_logprobs(m, outputs[True])
+    for on, prefetch in ((False, False), (True, False), (True, True)):
+        with _pdl.enabled(on, weight_prefetch=prefetch), LLM(m, EngineConfig(
+                max_num_seqs=8, max_model_len=512, kv_block_size=64, cuda_graphs=True, seed=3)) as llm:
+            outputs[on, prefetch] = llm.generate(prompts, params)
+    assert_same_outputs(outputs[True, False], outputs[False, False])
+    assert_same_outputs(outputs[True, True], outputs[False, False])
+    assert_bitwise_logprobs(m, outputs[True, True])

@@ -20,14 +20,18 @@ for its predecessor as usual, and one launched after it waits for it.
 soon as every program of this one has started: at most two kernels are resident, and the
 next one only takes SM slots this one no longer needs (all its programs already run).
 
-Weight prefetch (``PREFETCH``, ``AREAL_TIK_PDL_PREFETCH``, default 1; only with PDL): a
+Weight prefetch (``PREFETCH``, ``AREAL_TIK_PDL_PREFETCH``, default 0 until a GPU has timed it;
+only with PDL): a
 small-row linear program asks L2 for its whole weight slice before it waits
 (``l2_prefetch_rows_then_wait``), so the weights stream while the previous kernel (a norm,
 rope, attention) still runs. ``cp.async.bulk.prefetch.L2`` moves lines into L2 and nothing
 into the program; L2 is where every SM's global loads and stores meet, so a line that the
 previous kernel writes after the prefetch is updated there and the loads after the wait
 read the written value. So even data a predecessor writes could not be read stale; the
-weights of a forward are not written by any kernel of it anyway.
+weights of a forward are not written by any kernel of it anyway. Its sm_90a code is checked
+on the CPU (tests/test_pdl.py: the prefetch, then the wait, then every global access); its bits
+and its speed on a GPU are not measured yet (``eval/bench_rollout.py --backends unified
+unified-prefetch``, ``tests/test_pdl.py -m gpu``), so it stays off by default.
 
 On: ``AREAL_TIK_PDL`` (default 1) and a CUDA tensor on a device of compute capability 9 or
 newer, outside the interpreter (whose inline assembly is not executed; there the flag is
@@ -53,7 +57,7 @@ except ImportError:  # pragma: no cover - older triton: PDL never switches on
     gdc_launch_dependents = gdc_wait = None
 
 ENABLED = os.environ.get("AREAL_TIK_PDL", "1") != "0"
-PREFETCH = os.environ.get("AREAL_TIK_PDL_PREFETCH", "1") != "0"
+PREFETCH = os.environ.get("AREAL_TIK_PDL_PREFETCH", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
