@@ -95,37 +95,26 @@ def test_every_pdl_kernel_waits_before_any_memory_access():
         assert default is not None and ast.unparse(default) == "False", f"{where}: PDL must default to False"
 
 
-_PTX_PROBE = """
-import json, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import triton, importlib
-kernel = importlib.import_module("areal_tik.unified_kernels.linear")._linear_fwd_kernel
-consts = dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True, EVEN_K=True, MASK_ROWS=True,
-              INTERPRET=False, DOT_PRECISION="tf32", K_GROUPS=1, PDL=True, PREFETCH_W=True)
-signature = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
-src = ASTSource(fn=kernel, signature=signature, constexprs={(kernel.arg_names.index(c),): v for c, v in consts.items()})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=6, launch_pdl=True))
-json.dump(ptx.asm["ptx"].splitlines(), sys.stdout)
-"""
-
-
-def test_linear_ptx_waits_before_its_first_global_access():
-    """The generated sm_90a code (compiled here by triton's own ptxas, no GPU needed): in the
-    small-row linear with PDL and the weight prefetch, the L2 prefetch precedes
-    griddepcontrol.wait and every global load, store and async copy follows it."""
+def test_generated_ptx_waits_before_every_global_access():
+    """Every PDL kernel compiled for sm_90a (tests/_ptx_probe.py: triton's own ptxas, no GPU,
+    the GPU's launch configs): griddepcontrol.wait comes before each global load, store,
+    atomic and async copy, launch_dependents after the wait, and the small-row linear's L2
+    prefetch before it: the order the source promises is the order the hardware gets."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT.parent))
-    done = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("_ptx_probe.py"))], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    ptx = json.loads(done.stdout)
-
-    def first(pattern):
-        return next(i for i, line in enumerate(ptx) if pattern in line)
-    wait = first("griddepcontrol.wait")
-    assert first("cp.async.bulk.prefetch.L2.global") < wait < first("griddepcontrol.launch_dependents")
-    access = [i for i, line in enumerate(ptx)
-              if any(op in line for op in ("ld.global", "st.global", "cp.async.ca", "cp.async.cg", "atom.global"))]
-    assert access and min(access) > wait, f"a global access at PTX line {min(access)}, the wait at {wait}"
+    found = json.loads(done.stdout)
+    assert set(found) == PDL_KERNELS
+    for name, at in found.items():
+        assert len(at["wait"]) >= 1 and at["access"], f"{name}: {at}"
+        wait = at["wait"][0]
+        assert min(at["access"]) > wait, f"{name}: a global access at PTX line {min(at['access'])}, the wait at {wait}"
+        assert at["dependents"] and min(at["dependents"]) > wait, f"{name}: launch_dependents before the wait"
+        if name == "_linear_fwd_kernel":
+            assert at["prefetch"] and max(at["prefetch"]) < wait, f"{name}: the L2 prefetch must precede the wait"
+        else:
+            assert not at["prefetch"], name
 
 
 def test_every_pdl_launch_passes_the_same_flag_to_the_kernel():
