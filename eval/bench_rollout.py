@@ -61,8 +61,15 @@ PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
-BACKENDS = ("unified", "standard", "hf", "compiled", "unified-eager-sampler", "unified-serial", "unified-nopdl",
-            "unified-prefetch")
+# The unified engine with one thing changed, each timed beside "unified" in the same run:
+# EngineConfig fields, PDL off, the linears' L2 weight prefetch on (unified_kernels/_pdl.py).
+UNIFIED_VARIANTS = {
+    "unified-eager-sampler": dict(options={"graph_sample_temperature": None}),
+    "unified-serial": dict(options={"overlap_steps": False}),
+    "unified-nopdl": dict(pdl=False),
+    "unified-prefetch": dict(prefetch=True),
+}
+BACKENDS = ("unified", "standard", "hf", "compiled", *UNIFIED_VARIANTS)
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
 
 
@@ -102,21 +109,16 @@ def engine_config(shapes, block: int = 64, **options) -> EngineConfig:
 def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     """{(batch, new_tokens): seconds} for the engine on ``kernels`` ops ("compiled": the
     standard set with its elementwise ops compiled)."""
-    ops = {"compiled": compiled_standard_ops(), "unified-eager-sampler": "unified",
-           "unified-serial": "unified", "unified-nopdl": "unified",
-           "unified-prefetch": "unified"}.get(kernels, kernels)
+    variant = UNIFIED_VARIANTS.get(kernels)
+    ops = "unified" if variant is not None else compiled_standard_ops() if kernels == "compiled" else kernels
+    variant = variant or {}
     model = UnifiedCausalLM.from_hf(hf_model, kernels=ops)
     # the standard set as the recipes' stock mode runs it: one KV block per sequence, where its
     # decode calls FlashAttention over each sequence's rows (the engine prints the path it took)
     block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if model.kernels == "standard" else 64
-    options = {"unified-eager-sampler": {"graph_sample_temperature": None},
-               "unified-serial": {"overlap_steps": False}}.get(kernels, {})
-    # "unified-nopdl": the unified engine with programmatic dependent launch off (its graphs
-    # captured and its eager prefills launched without it; unified_kernels/_pdl.py);
-    # "unified-prefetch": with PDL and the small-row linears' L2 weight prefetch (off by default)
-    with _pdl.enabled(_pdl.ENABLED and kernels != "unified-nopdl",
-                      weight_prefetch=_pdl.PREFETCH or kernels == "unified-prefetch"), \
-            LLM(model, engine_config(shapes, block, **options)) as llm:
+    # PDL and the prefetch hold for the whole backend: its graphs' capture and its eager prefills
+    with _pdl.enabled(_pdl.ENABLED and variant.get("pdl", True), _pdl.PREFETCH or variant.get("prefetch", False)), \
+            LLM(model, engine_config(shapes, block, **variant.get("options", {}))) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)
     llm = model = None  # free the KV cache and CUDA graphs before the next backend
@@ -286,10 +288,7 @@ def ratio_rows(model_name, results, info) -> list[dict]:
         pairs = (("unified/standard", "standard", "unified"), ("unified/hf", "hf", "unified"),
                  ("standard/hf", "hf", "standard"), ("unified/compiled", "compiled", "unified"),
                  ("compiled/standard", "standard", "compiled"),
-                 ("unified/unified-eager-sampler", "unified-eager-sampler", "unified"),
-                 ("unified/unified-serial", "unified-serial", "unified"),
-                 ("unified/unified-nopdl", "unified-nopdl", "unified"),
-                 ("unified/unified-prefetch", "unified-prefetch", "unified"))
+                 *((f"unified/{v}", v, "unified") for v in UNIFIED_VARIANTS))
         for name, slow, fast in pairs:
             if slow in results and fast in results:
                 rows.append(dict(base, backend=name, metric="speedup",
@@ -298,16 +297,19 @@ def ratio_rows(model_name, results, info) -> list[dict]:
 
 
 def summarize(results) -> None:
+    # uni/<backend>: the backend's seconds over the unified engine's (> 1: unified is faster)
+    others = ("standard", "hf", "compiled", *UNIFIED_VARIANTS)
+    labels = ["uni/" + b.removeprefix("unified-").replace("standard", "std").replace("compiled", "comp")
+              for b in others]
+    widths = [max(8, len(label)) for label in labels]
     print(f"{'batch':>5} {'new':>4} " + " ".join(f"{b + ' tok/s':>16}" for b in results)
-          + f" {'uni/std':>8} {'uni/hf':>8} {'uni/comp':>8} {'uni/eager-sampler':>8} {'uni/serial':>8}"
-          + f" {'uni/nopdl':>9} {'uni/prefetch':>12}")
+          + " " + " ".join(f"{label:>{w}}" for label, w in zip(labels, widths)))
     for shape in results["unified"]:
         batch, new = shape
         rates = " ".join(f"{batch * new / results[b][shape]:16.0f}" for b in results)
         uni = results["unified"][shape]
-        ratios = " ".join(f"{results[b][shape] / uni:8.2f}" if shape in results.get(b, {}) else f"{'-':>8}"
-                          for b in ("standard", "hf", "compiled", "unified-eager-sampler", "unified-serial",
-                                    "unified-nopdl", "unified-prefetch"))
+        ratios = " ".join(f"{results[b][shape] / uni:{w}.2f}" if shape in results.get(b, {}) else f"{'-':>{w}}"
+                          for b, w in zip(others, widths))
         print(f"{batch:5d} {new:4d} {rates} {ratios}")
 
 

@@ -135,9 +135,22 @@ def test_every_pdl_launch_passes_the_same_flag_to_the_kernel():
     assert launches >= len(PDL_KERNELS)
 
 
+def test_switches_refuse_values_other_than_0_and_1(monkeypatch):
+    from areal_tik.unified_kernels._common import env_switch
+    monkeypatch.delenv("AREAL_TIK_TEST_SWITCH", raising=False)
+    assert env_switch("AREAL_TIK_TEST_SWITCH", True) and not env_switch("AREAL_TIK_TEST_SWITCH", False)
+    monkeypatch.setenv("AREAL_TIK_TEST_SWITCH", "0")
+    assert not env_switch("AREAL_TIK_TEST_SWITCH", True)
+    monkeypatch.setenv("AREAL_TIK_TEST_SWITCH", "1")
+    assert env_switch("AREAL_TIK_TEST_SWITCH", False)
+    monkeypatch.setenv("AREAL_TIK_TEST_SWITCH", "true")
+    with pytest.raises(ValueError, match="AREAL_TIK_TEST_SWITCH must be 0 or 1, got 'true'"):
+        env_switch("AREAL_TIK_TEST_SWITCH", False)
+
+
 def test_pdl_is_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
     with _pdl.enabled(True, weight_prefetch=True):
-        assert not _pdl.pdl(torch.zeros(2)) and not _pdl.prefetch(torch.zeros(2))
+        assert not _pdl.pdl(torch.zeros(2))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with _pdl.enabled(True):
         assert not _pdl.pdl(torch.zeros(2))

@@ -31,15 +31,16 @@ time (TensorDescriptors built per launch), so host-bound eager chunks gain less 
 """
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 
 import torch
 
+from ..unified_kernels._common import env_switch
+
 # The rollout path fuses where it can; AREAL_TIK_FUSED_PROJECTIONS=0 starts a process on
 # separate projections (or set ENABLED at run time), for side-by-side timing.
-ENABLED = os.environ.get("AREAL_TIK_FUSED_PROJECTIONS", "1") != "0"
+ENABLED = env_switch("AREAL_TIK_FUSED_PROJECTIONS", True)
 _VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 

@@ -11,6 +11,17 @@ from typing import Iterable, Sequence
 
 import torch
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off switch read from the environment: unset -> ``default``, "1" on, "0" off;
+    any other value raises ValueError naming the variable (a typo never flips a switch)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # Dtypes the kernels accept for activations and weights.
 FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -19,7 +30,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 # host path (a plan and the generic checks per call), for side-by-side timing
 # (eval/probe_host.py, eval/probe_mixed.py). The same kernels and arguments either way.
 # AREAL_TIK_HOST_FAST_PATH=0 starts a process with it off.
-HOST_FAST_PATH = os.environ.get("AREAL_TIK_HOST_FAST_PATH", "1") != "0"
+HOST_FAST_PATH = env_switch("AREAL_TIK_HOST_FAST_PATH", True)
 
 
 def interpreting() -> bool:
@@ -27,7 +38,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-if interpreting() and os.environ.get("AREAL_TIK_INTERPRETER_PATCH", "1") != "0":
+if interpreting() and env_switch("AREAL_TIK_INTERPRETER_PATCH", True):
     # The interpreter's per-call re-patching of triton.language, listed once (_interpreter.py;
     # AREAL_TIK_INTERPRETER_PATCH=0 keeps triton's own, for side-by-side timing).
     from ._interpreter import install as _install_interpreter_patch

@@ -21,8 +21,7 @@ soon as every program of this one has started: at most two kernels are resident,
 next one only takes SM slots this one no longer needs (all its programs already run).
 
 Weight prefetch (``PREFETCH``, ``AREAL_TIK_PDL_PREFETCH``, default 0 until a GPU has timed it;
-only with PDL): a
-small-row linear program asks L2 for its whole weight slice before it waits
+only with PDL): a small-row linear program asks L2 for its whole weight slice before it waits
 (``l2_prefetch_rows_then_wait``), so the weights stream while the previous kernel (a norm,
 rope, attention) still runs. ``cp.async.bulk.prefetch.L2`` moves lines into L2 and nothing
 into the program; L2 is where every SM's global loads and stores meet, so a line that the
@@ -43,36 +42,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
+from ._common import env_switch, interpreting
 
 try:  # triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older triton: PDL never switches on
     gdc_launch_dependents = gdc_wait = None
 
-ENABLED = os.environ.get("AREAL_TIK_PDL", "1") != "0"
-PREFETCH = os.environ.get("AREAL_TIK_PDL_PREFETCH", "0") == "1"
+ENABLED = env_switch("AREAL_TIK_PDL", True)
+PREFETCH = env_switch("AREAL_TIK_PDL_PREFETCH", False)
 
 
 @functools.lru_cache(maxsize=None)
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # Fixed for a process: the kernels are compiled or interpreted from import on.
+    return gdc_wait is not None and not interpreting() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl(t: torch.Tensor) -> bool:
-    """Launch the next forward kernel on ``t``'s device with PDL? (see module doc)"""
-    return ENABLED and gdc_wait is not None and t.is_cuda and not interpreting() and _capable(t.get_device())
-
-
-def prefetch(t: torch.Tensor) -> bool:
-    """With PDL on ``t``'s device, also prefetch a small-row linear's weights (module doc)."""
-    return PREFETCH and pdl(t)
+    """Launch the next forward kernel on ``t``'s device with PDL? (see module doc; called
+    once per launch, so a flag and a cached lookup)"""
+    return ENABLED and t.is_cuda and _capable(t.get_device())
 
 
 @contextlib.contextmanager
@@ -103,10 +98,8 @@ def l2_prefetch_rows_then_wait(row_ptrs, row_bytes, PDL: tl.constexpr, PREFETCH:
     """``pdl_wait`` preceded, when PREFETCH (only with PDL), by one L2 bulk prefetch of
     ``row_bytes`` bytes from each of ``row_ptrs`` (16-byte aligned, row_bytes a multiple of
     16): lines into L2, no data into the program (module doc: why this cannot read stale)."""
-    if PDL:
-        if PREFETCH:
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                      [row_ptrs, tl.full(row_ptrs.shape, row_bytes, tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        gdc_wait()
-        gdc_launch_dependents()
+    if PDL and PREFETCH:
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [row_ptrs, tl.full(row_ptrs.shape, row_bytes, tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    pdl_wait(PDL)

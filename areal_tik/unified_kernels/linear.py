@@ -50,7 +50,6 @@ if turned on globally).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -61,7 +60,8 @@ from ._common import grad_mm, interpreting
 from ._ktree import check_k_groups, combine_partials  # noqa: F401  (combine_partials: API of this module)
 from ._linear_checks import valid_fast_call, validate
 from ._linear_chain import _tiled_group, _tiled_tree, _tma_group, _tma_tree
-from ._pdl import l2_prefetch_rows_then_wait, pdl, pdl_wait, prefetch
+from . import _pdl
+from ._pdl import l2_prefetch_rows_then_wait, pdl, pdl_wait
 from ._linear_tiles import (  # noqa: F401  (the tables: tuned by the search, read by tests and benches)
     _CPU_BUCKETS, _CPU_CANDIDATES, _CPU_FIXED, _CPU_PROGRAMS, _GPU_BUCKETS, _GPU_CANDIDATES, _GPU_FIXED,
     _MIN_PROGRAMS, _REFERENCE_SMS, TileConfig, _cfg, _device_info, _rung, _select, buckets, linear_candidates,
@@ -73,7 +73,7 @@ except ImportError:  # pragma: no cover - older triton: the tiled kernel serves 
     TensorDescriptor = None
 
 # When True, one config per dtype serves every row count (see module docstring).
-FIXED_TILE = os.environ.get("AREAL_TIK_LINEAR_FIXED_TILE", "0") == "1"
+FIXED_TILE = _common.env_switch("AREAL_TIK_LINEAR_FIXED_TILE", False)
 
 
 def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
@@ -336,7 +336,7 @@ def _plan(x2d, weight, out, has_bias: bool, k_groups: int) -> _Plan:
 def _launch_tiled(x2d, weight, bias, out, plan: _Plan) -> None:
     p = pdl(x2d)
     _linear_fwd_kernel[plan.grid](x2d, weight, bias if bias is not None else out, out, *plan.ints, **plan.consts,
-                                  PDL=p, PREFETCH_W=plan.prefetch_w and prefetch(x2d), launch_pdl=p)
+                                  PDL=p, PREFETCH_W=p and plan.prefetch_w and _pdl.PREFETCH, launch_pdl=p)
 
 
 def _launch_persistent(x2d, weight, bias, out, plan: _Plan) -> None:
