@@ -98,7 +98,7 @@ class OpRecord:
 class RecordingOps:
     """An op backend that forwards to ``inner`` and keeps a copy of every op's outputs."""
 
-    _PARTS = {"add_rms_norm": ("normed", "residual"), "apply_rope": ("q", "k")}
+    _PARTS = {"add_rms_norm": ("normed", "residual"), "apply_rope": ("q", "k"), "qk_norm_rope": ("q", "k")}
 
     def __init__(self, inner):
         self.inner = inner

@@ -20,7 +20,9 @@ sampler into the graph saves per step.
 ``--backends ... unified-serial`` adds the unified engine without overlapped decode steps
 (``overlap_steps=False``), ``unified-nopdl`` the unified engine with programmatic dependent
 launch off (``unified_kernels/_pdl.py``), ``unified-prefetch`` with PDL and the small-row
-linears' L2 weight prefetch (off by default): what each changes, side by side in one run.
+linears' L2 weight prefetch (off by default), ``unified-unfused-qk`` with the q/k norms, rope and
+K/V store as separate launches (``unified_kernels/qk_rope.py``): what each changes, side by side
+in one run.
 
 ``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
 residual add + RMSNorm, rope, SiLU-mul) under ``torch.compile``, as vLLM compiles its model
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import random
 import time
 from pathlib import Path
@@ -57,17 +60,21 @@ from areal_tik.model import UnifiedCausalLM, published_config, random_model, tin
 from areal_tik.model.ops import compiled_standard_ops, one_block_per_sequence  # noqa: E402
 from areal_tik.unified_kernels import _pdl  # noqa: E402
 
+_qk_rope = importlib.import_module("areal_tik.unified_kernels.qk_rope")
+
 PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
 FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
 # The unified engine with one thing changed, each timed beside "unified" in the same run:
-# EngineConfig fields, PDL off, the linears' L2 weight prefetch on (unified_kernels/_pdl.py).
+# EngineConfig fields, PDL off, the linears' L2 weight prefetch on (unified_kernels/_pdl.py), the
+# q/k norms, rope and K/V store as separate launches (unified_kernels/qk_rope.py).
 UNIFIED_VARIANTS = {
     "unified-eager-sampler": dict(options={"graph_sample_temperature": None}),
     "unified-serial": dict(options={"overlap_steps": False}),
     "unified-nopdl": dict(pdl=False),
     "unified-prefetch": dict(prefetch=True),
+    "unified-unfused-qk": dict(fused_qk=False),
 }
 BACKENDS = ("unified", "standard", "hf", "compiled", *UNIFIED_VARIANTS)
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
@@ -118,6 +125,7 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     block = one_block_per_sequence(PROMPT_LEN + max(n for _, n in shapes)) if model.kernels == "standard" else 64
     # PDL and the prefetch hold for the whole backend: its graphs' capture and its eager prefills
     with _pdl.enabled(_pdl.ENABLED and variant.get("pdl", True), _pdl.PREFETCH or variant.get("prefetch", False)), \
+            _qk_rope.enabled(_qk_rope.ENABLED and variant.get("fused_qk", True)), \
             LLM(model, engine_config(shapes, block, **variant.get("options", {}))) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)

@@ -26,7 +26,7 @@ from areal_tik import unified_kernels as U
 W = importlib.import_module("areal_tik.unified_kernels.warmup")
 F = importlib.import_module("areal_tik.unified_kernels._attention_fwd")
 
-MODULES = ("linear", "logprob", "rms_norm", "swiglu", "rope", "_attention_fwd", "_attention_bwd", "attention")
+MODULES = ("linear", "logprob", "rms_norm", "swiglu", "rope", "qk_rope", "_attention_fwd", "_attention_bwd", "attention")
 ENGINE_MODULES = ("areal_tik.engine.sampler",)  # rollout-only kernels
 ROWS = (1, 2, 15, 16, 17, 32, 33)
 _JIT_OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline",
@@ -215,7 +215,8 @@ def test_warmup_on_worker_threads_runs_every_task(monkeypatch):
     calls = []
     shapes = U.WarmupShapes(linears=((24, 40, True),), norms=(32,), intermediates=(24,), heads=(4, 2, 16),
                             lm_head=(300, 32))
-    for family in ("warm_linear", "warm_norms", "warm_swiglu", "warm_rope", "warm_logprob", "warm_attention"):
+    for family in ("warm_linear", "warm_norms", "warm_swiglu", "warm_rope", "warm_qk_rope", "warm_logprob",
+                   "warm_attention"):
         original = getattr(W, family)
         monkeypatch.setattr(W, family, lambda *a, _o=original, **k: [
             (lambda _t=t: calls.append(_t)) for t in _o(*a, **k)])
@@ -250,6 +251,24 @@ def test_rope_key_does_not_depend_on_the_table_length(launches):
     assert len(keys) == 1, keys
 
 
+def test_qk_rope_keys_do_not_depend_on_the_token_count(launches):
+    """The fused q/k norm + rope + K/V store at every token count, on views of a fused q|k|v
+    output (the engine's layout), with and without the cache write: one key each."""
+    cos, sin = U.rope_cos_sin(64, 16, device=DEVICE)
+    kc = _z(4, 16, 2, 16)
+    w = _z(16)
+
+    def step(rows):
+        qkv = _z(rows, 8 * 16)
+        q, k, v = qkv[:, :64].view(rows, 4, 16), qkv[:, 64:96].view(rows, 2, 16), qkv[:, 96:].view(rows, 2, 16)
+        pos = torch.arange(rows, device=DEVICE)
+        U.qk_norm_rope(q, k, pos, cos, sin, w, w, 1e-6)
+        U.qk_norm_rope(q, k, pos, cos, sin, w, w, 1e-6, v=v, k_cache=kc, v_cache=kc, slot_mapping=pos, validate=False)
+
+    keys = assert_same_keys(launches, ROWS, step)
+    assert [key[0] for key in keys] == ["_qk_norm_rope_kernel"] * 2, keys
+
+
 @pytest.mark.gpu
 def test_gpu_no_jit_compilation_after_warmup():
     """The real JIT: after ``warmup``, forward + backward at other row counts and packings
@@ -277,6 +296,8 @@ def test_gpu_no_jit_compilation_after_warmup():
             head = U.rms_norm(h.reshape(-1, 128), wh, 1e-6)
             act = U.silu_mul(torch.randn(rows, 6144, device=dev, dtype=bf16, requires_grad=True))
             q, k = U.apply_rope(h.view(rows, 16, 128), y.view(rows, 8, 128), torch.arange(rows, device=dev), cos, sin)
+            with torch.no_grad():  # the fused q/k rope (no norm weights in these shapes, no cache)
+                U.qk_norm_rope(h.view(rows, 16, 128), y.view(rows, 8, 128), torch.arange(rows, device=dev), cos, sin)
             lengths = [rows] if rows == 1 else [rows // 2, rows - rows // 2]
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
             attn = U.attention_varlen(q, k, y.view(rows, 8, 128), cu, max(lengths), 128 ** -0.5)

@@ -23,11 +23,12 @@ from areal_tik.unified_kernels import _pdl
 
 ROOT = pathlib.Path(areal_tik.__file__).parent
 
-# The forward kernels: a decode step (norms, projections, rope, K/V store, paged attention and
-# its combine, SwiGLU, the LM head's LSE, the Gumbel draw), prefill and training forward.
+# The forward kernels: a decode step (norms, projections, q/k norm + rope + K/V store, paged
+# attention and its combine, SwiGLU, the LM head's LSE, the Gumbel draw), prefill and training
+# forward (norms, rope, K/V store apart).
 PDL_KERNELS = {
     "_rms_norm_fwd_kernel", "_linear_fwd_kernel", "_linear_fwd_persistent_kernel", "_rope_kernel",
-    "_store_kv_kernel", "_prefill_fwd_kernel", "_decode_fwd_kernel", "_decode_combine_kernel",
+    "_qk_norm_rope_kernel", "_store_kv_kernel", "_prefill_fwd_kernel", "_decode_fwd_kernel", "_decode_combine_kernel",
     "_silu_mul_fwd_kernel", "_lse_partial_kernel", "_combine_kernel", "_gumbel_argmax_kernel",
     "_gumbel_combine_kernel",
 }

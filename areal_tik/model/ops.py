@@ -32,7 +32,7 @@ from areal_tik.unified_kernels._ktree import check_k_groups, combine_partials, t
 
 OP_NAMES = (
     "linear", "linear_partial", "combine_partials", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
-    "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
+    "qk_norm_rope", "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
     "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
 )
 _KERNEL_PACKAGE = "areal_tik.unified_kernels"
@@ -480,11 +480,30 @@ _STANDARD = {
     "attention_decode": _std_attention_decode,
     "attention_paged_prefill": _std_attention_paged_prefill,
 }
-assert set(_STANDARD) == set(OP_NAMES)
+
+
+def _std_qk_norm_rope(ops, q, k, positions, cos, sin, q_weight=None, k_weight=None, eps=1e-6, *, v=None,
+                      k_cache=None, v_cache=None, slot_mapping=None, validate=True):
+    """The ops of ``ops`` in sequence (a stock stack's separate, or compiled, kernels): the
+    per-head norms when weights are given, rope, then the K/V cache write when a cache is."""
+    if q_weight is not None:
+        q, k = ops.rms_norm(q, q_weight, eps), ops.rms_norm(k, k_weight, eps)
+    q, k = ops.apply_rope(q, k, positions, cos, sin)
+    if k_cache is not None:
+        ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=validate)
+    return q, k
+
+
+# Composite ops: bound to their namespace, so that they call its ops (compiled ones included).
+_STANDARD_COMPOSITES = {"qk_norm_rope": _std_qk_norm_rope}
+assert set(_STANDARD) | set(_STANDARD_COMPOSITES) == set(OP_NAMES)
 
 
 def _standard_ops():
-    return types.SimpleNamespace(kind="standard", **_STANDARD)
+    ops = types.SimpleNamespace(kind="standard", **_STANDARD)
+    for name, fn in _STANDARD_COMPOSITES.items():
+        setattr(ops, name, functools.partial(fn, ops))
+    return ops
 
 
 # The standard ops a stock engine compiles: the elementwise chains between the GEMMs and the

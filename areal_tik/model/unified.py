@@ -2,7 +2,8 @@
 
 The three entry points (``prefill``, ``decode``, ``forward_packed``) run the same
 per-layer code (``layers.decoder_layer``) with the same ops; only the attention callable
-differs (varlen / store + varlen / store + paged decode). With ``kernels="unified"``
+differs (varlen / varlen or paged prefill / paged decode), with a ``CacheWrite`` in the
+two rollout regimes (the K/V written with rope, ``ops.qk_norm_rope``). With ``kernels="unified"``
 their hidden rows, and so the log-probs, are bit-identical for the same tokens,
 positions and weights.
 
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .fused import FusedProjections, SeparateProjections, fuse_projection_storage, fused_shapes, projection_groups
 from .kv_cache import KVCache
-from .layers import decoder_layer, row_parallel_proj
+from .layers import CacheWrite, decoder_layer, row_parallel_proj
 from .ops import get_ops
 from .spec import ModelSpec
 from .tensor_parallel import check_k_groups
@@ -202,12 +203,13 @@ class UnifiedCausalLM:
             return self.tensor_parallel.row_proj(ops, self.k_groups)
         return row_parallel_proj(ops, self.k_groups)
 
-    def _layer_fn(self, layer, positions, cos, sin, attend, proj):
+    def _layer_fn(self, layer, positions, cos, sin, attend, proj, cache=None):
         ops, spec = self.ops, self.spec
         row_proj = self.row_proj(ops)
 
         def run(delta, residual):
-            return decoder_layer(ops, spec, layer, delta, residual, positions, cos, sin, attend, row_proj, proj)
+            return decoder_layer(ops, spec, layer, delta, residual, positions, cos, sin, attend, row_proj, proj,
+                                 cache)
         return run
 
     def _checkpointing(self, layer) -> bool:
@@ -216,8 +218,10 @@ class UnifiedCausalLM:
         hf_on = getattr(layer, "gradient_checkpointing", False) and layer.training
         return bool(self.gradient_checkpointing or hf_on)
 
-    def _stack(self, input_ids, positions, attend_for: Callable[[int], Callable], hooked: bool):
+    def _stack(self, input_ids, positions, attend_for: Callable[[int], tuple], hooked: bool):
         """Embedding gather and every layer; returns the last ``(mlp_out, residual)``.
+
+        ``attend_for(layer index)``: ``(attend, CacheWrite or None)`` for that layer.
 
         ``hooked``: run each layer as its module's forward (training path, see module doc),
         with separate projections; otherwise (rollout) q/k/v and gate/up are fused where
@@ -228,7 +232,8 @@ class UnifiedCausalLM:
         delta = None
         proj = SeparateProjections if hooked else FusedProjections
         for index, layer in enumerate(self._base.layers):
-            run = self._layer_fn(layer, positions, cos, sin, attend_for(index), proj)
+            attend, cache = attend_for(index)
+            run = self._layer_fn(layer, positions, cos, sin, attend, proj, cache)
             if not hooked:
                 delta, residual = run(delta, residual)
                 continue
@@ -279,8 +284,8 @@ class UnifiedCausalLM:
         def attend_for(index):
             # Metadata checks read tensors on the host: once per forward is enough.
             check = index == 0
-            return lambda q, k, v: ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale,
-                                                        validate=check)
+            return (lambda q, k, v: ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale,
+                                                         validate=check)), None
 
         def body(input_ids, positions):
             return self._final_norm(*self._stack(input_ids, positions, attend_for, hooked=True))
@@ -307,13 +312,12 @@ class UnifiedCausalLM:
 
             check = index == 0  # metadata checks sync the host: once per forward
 
-            def attend(q, k, v):
-                ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=check)
+            def attend(q, k, v):  # k and v are in the cache already (qk_norm_rope)
                 if block_tables is not None:
                     return ops.attention_paged_prefill(q, k_cache, v_cache, cu_seqlens, max_seqlen,
                                                        block_tables, query_starts, scale, validate=check)
                 return ops.attention_varlen(q, k, v, cu_seqlens, max_seqlen, scale, validate=check)
-            return attend
+            return attend, CacheWrite(k_cache, v_cache, slot_mapping, check)
 
         delta, residual = self._stack(input_ids, positions, attend_for, hooked=False)
         return self._final_norm(delta[logits_indices], residual[logits_indices])
@@ -334,11 +338,10 @@ class UnifiedCausalLM:
 
             check = index == 0  # metadata checks sync the host: once per step
 
-            def attend(q, k, v):
-                ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=check)
+            def attend(q, k, v):  # the new token's k and v are in the cache already (qk_norm_rope)
                 return ops.attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                             validate=check)
-            return attend
+            return attend, CacheWrite(k_cache, v_cache, slot_mapping, check)
 
         return self._final_norm(*self._stack(input_ids, positions, attend_for, hooked=False))
 

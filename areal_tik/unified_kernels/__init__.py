@@ -17,6 +17,8 @@ Functional API (bf16 or fp32 activations; CUDA tensors, or CPU tensors under
 - ``add_rms_norm(x, residual, weight, eps)``              rms_norm.py  -> (normed, summed)
 - ``rope_cos_sin(max_positions, head_dim, base, scaling, device)`` rope.py -> (cos, sin)
 - ``apply_rope(q, k, positions, cos, sin)``               rope.py     -> (q, k)
+- ``qk_norm_rope(q, k, positions, cos, sin, q_weight, k_weight, eps, *, v, k_cache, v_cache, slot_mapping)``
+  qk_rope.py -> (q, k): per-head norms, rope and the K/V cache write in one launch (their bits)
 - ``silu_mul(gate_up)``                                   swiglu.py
 - ``token_logprobs(hidden, weight, targets, temperature, return_entropy)`` logprob.py
 - ``lm_head_logits_lse(hidden, weight, temperature)``     logprob.py  -> (logits, lse)
@@ -43,6 +45,7 @@ from .attention import attention_decode, attention_paged_prefill, attention_varl
 from .linear import combine_partials, linear, linear_partial
 from .logprob import gather_logprobs, lm_head_logits_lse, token_logprobs
 from .rms_norm import add_rms_norm, rms_norm
+from .qk_rope import qk_norm_rope
 from .rope import apply_rope, rope_cos_sin
 from .swiglu import silu_mul
 from .warmup import WarmupShapes, warmup
@@ -50,7 +53,7 @@ from .warmup import WarmupShapes, warmup
 __all__ = [
     "bits", "bitwise_equal",
     "linear", "linear_partial", "combine_partials", "rms_norm", "add_rms_norm", "rope_cos_sin", "apply_rope", "silu_mul",
-    "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
+    "qk_norm_rope", "token_logprobs", "lm_head_logits_lse", "gather_logprobs",
     "attention_varlen", "store_kv_cache", "attention_decode", "attention_paged_prefill",
     "WarmupShapes", "warmup",
 ]

@@ -3,7 +3,7 @@
 Triton compiles a kernel the first time it meets a new key: the constexprs, the launch
 options and, per runtime argument, its type and a specialisation (an int equal to 1
 becomes a constant; an int divisible by 16 and a 16-byte aligned pointer get a
-divisibility hint). The ops of linear.py, logprob.py, rms_norm.py, swiglu.py and rope.py
+divisibility hint). The ops of linear.py, logprob.py, rms_norm.py, swiglu.py, rope.py and qk_rope.py
 keep their data-dependent integers (row and token counts, chunk bounds) out of the key
 (``do_not_specialize``) and launch on aligned buffers, so their keys change with the row
 count only where the schedule does: linear's row buckets (one tile config per bucket) and
@@ -38,8 +38,9 @@ from ._attention_fwd import attention_config as _attention_config
 from .attention import attention_decode, attention_paged_prefill, attention_varlen, store_kv_cache
 
 # The op modules (the package attributes ``linear`` and ``rms_norm`` are the functions).
-_linear, _logprob, _rms, _rope, _swiglu = (importlib.import_module(f".{name}", __package__)
-                                           for name in ("linear", "logprob", "rms_norm", "rope", "swiglu"))
+_linear, _logprob, _rms, _rope, _swiglu, _qk_rope = (
+    importlib.import_module(f".{name}", __package__)
+    for name in ("linear", "logprob", "rms_norm", "rope", "swiglu", "qk_rope"))
 
 _EPS = 1e-6
 _INDEX_DTYPES = (torch.int32, torch.int64)  # positions / targets arrive as either
@@ -148,6 +149,32 @@ def warm_rope(heads, dtype, device, training: bool) -> list[Callable]:
     return [functools.partial(_rope._launch, q, k, torch.zeros(2, dtype=index_dtype, device=device), cos, cos,
                               backward=backward)
             for index_dtype in _INDEX_DTYPES for backward in ((False, True) if training else (False,))]
+
+
+def _qk_rope_step(heads, has_norm: bool, dtype, device, block_size: int | None, index_dtype) -> None:
+    """qk_norm_rope without autograd on q/k as views of a fused q|k|v output and as contiguous
+    tensors (the two layouts differ in a token stride, both multiples of 16 where the fused
+    kernel runs: one key, or the composition's kernels where it does not), with the cache
+    write when the engine has a cache of ``block_size``."""
+    hq, hk, d = heads
+    qkv = torch.zeros(2, (hq + 2 * hk) * d, dtype=dtype, device=device)
+    q, k, v = qkv[:, :hq * d].view(2, hq, d), qkv[:, hq * d:(hq + hk) * d].view(2, hk, d), qkv[:, (hq + hk) * d:].view(2, hk, d)
+    w = torch.ones(d, dtype=dtype, device=device) if has_norm else None
+    pos = torch.zeros(2, dtype=index_dtype, device=device)
+    cos = torch.ones(4, d // 2, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for qq, kk in ((q, k), (q.contiguous(), k.contiguous())):
+            _qk_rope.qk_norm_rope(qq, kk, pos, cos, cos, w, w, _EPS, validate=False)
+        if block_size is not None:
+            kc = torch.zeros(2, block_size, hk, d, dtype=dtype, device=device)
+            slots = torch.arange(2, device=device) + block_size
+            _qk_rope.qk_norm_rope(q, k, pos, cos, cos, w, w, _EPS, v=v, k_cache=kc, v_cache=kc,
+                                  slot_mapping=slots, validate=False)
+
+
+def warm_qk_rope(heads, has_norm: bool, dtype, device, block_size: int | None) -> list[Callable]:
+    return [functools.partial(_qk_rope_step, heads, has_norm, dtype, device, block_size, index_dtype)
+            for index_dtype in _INDEX_DTYPES]
 
 
 def _logprob_step(hidden, weight, targets, entropy: bool, training: bool) -> None:
@@ -287,6 +314,7 @@ def warmup_tasks(shapes: WarmupShapes, max_rows: int, device, *, training: bool 
         "rms_norm": warm_norms(shapes.norms, dtype, device, training, shapes.head_norms),
         "swiglu": warm_swiglu(shapes.intermediates, dtype, device, training),
         "rope": warm_rope(shapes.heads, dtype, device, training),
+        "qk_rope": warm_qk_rope(shapes.heads, bool(shapes.head_norms), dtype, device, block_size),
         "logprob": warm_logprob(shapes.lm_head, dtype, device, training, sampling),
         "attention": warm_attention(shapes.heads, dtype, device, training) if attention else [],
         "paged_attention": warm_paged_attention(shapes.heads, dtype, device, block_size) if attention else [],
