@@ -3,6 +3,11 @@ in sequence (``qk_rope._composed``, the reference), on q/k/v as views of a fused
 (rollout) and as contiguous tensors; the composition under autograd and for layouts the
 fused kernel does not take; its launch keys do not follow the token count; bad input."""
 import importlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,6 +119,27 @@ def test_bad_input(device):
         Q.qk_norm_rope(q, k[..., :8], pos, cos, sin)
     with pytest.raises(ValueError, match="slot_mapping"):
         Q.qk_norm_rope(q, k, pos, cos, sin, qw, kw_, 1e-6, v=v, k_cache=kc, v_cache=kc, slot_mapping=slots[:2])
+
+
+def _reductions(*args):
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("_layout_probe.py")), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_sm90_row_reduction_has_the_per_head_norms_layout():
+    """Compiled for sm_90a on the CPU with the engine's specialisation (tests/_layout_probe.py):
+    the fused kernel's q and k row reductions have exactly the register layout of rms_norm's
+    per-head kernel (the same elements per thread, lanes and warps along each row: the same
+    order of additions), for head_dim 128 and 64; one row a program (a negative control)
+    has another."""
+    for heads, found in _reductions().items():
+        assert len(found["fused"]) == 2 and found["norm_q"] == found["norm_k"], (heads, found)
+        assert found["fused"] == found["norm_q"] * 2, (heads, found)
+    for heads, found in _reductions("rows=1").items():
+        assert found["fused"][0] != found["norm_q"][0], (heads, found)
 
 
 # ------------------------------------------------------------------------------------- GPU
