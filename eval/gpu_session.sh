@@ -28,10 +28,11 @@
 # installs vLLM into $VSITE and the kernels into $KSITE (sites of their own: vLLM runs on the
 # image's transformers 5.17, AReaL's $SITE has 5.3; neither is on the default PYTHONPATH).
 # Logs (one per stage) and CSVs are written to a work folder and packed into one
-# tarball under $OUT (default eval/results/run), so that one file comes back.
+# tarball under $OUT (default eval/results/run), one per invocation (results-HHMMSS.tgz).
 set -u
 OUT=${OUT:-eval/results/run}
 W=$(mktemp -d)
+START=$(date -u +%H%M%S)
 mkdir -p "$OUT" "$W/csv"
 STAGE=${STAGE:-/tmp/areal-tik-stage} SITE=${SITE:-/tmp/areal-tik-site}
 VSTAGE=${VSTAGE:-/tmp/areal-tik-vllm-stage} VSITE=${VSITE:-/tmp/areal-tik-vllm-site}
@@ -197,5 +198,7 @@ for s in $STAGES; do case $s in
   tp_server) run tp_server 570 python3 -m eval.check_tp_server --trainer-device "${TP_SERVER_TRAINER:-cuda:2}" \
                --out "$W/csv" ;;
 esac; done
-tar czf "$OUT/results.tgz" -C "$W" .
+# One tarball per invocation, named by its start time, so that several invocations in one call
+# (each with its own environment) do not overwrite each other's (results-HHMMSS.tgz).
+tar czf "$OUT/results-$START.tgz" -C "$W" .
 log done

@@ -242,10 +242,13 @@ def profile_call(fn, what: str) -> None:
 
 
 class MixedSteps:
-    """Wraps ``runner.run`` in place (the engine's own step path): the wall time of each
-    mixed step by the long prompt's chunk start and of each decode-only step; one mixed
-    step (chunk at ``profile_start``) and one decode-only step (the ``DECODE_PROFILED``-th)
-    run under torch.profiler, kept in ``profiles`` as label -> (profile, wall s)."""
+    """Wraps ``runner.launch`` in place (the engine's own step path; the step loop reads each
+    step with ``runner.collect`` after it): the wall time of each mixed step by the long
+    prompt's chunk start and of each decode-only step, from its launch to the GPU's end of it
+    (the wrapper waits for the device); one mixed step (chunk at ``profile_start``) and one
+    decode-only step (the ``DECODE_PROFILED``-th) run under torch.profiler, kept in
+    ``profiles`` as label -> (profile, wall s). Time serial steps (``overlap_steps=False``):
+    the wait would serialise overlapped ones."""
 
     DECODE_PROFILED = 4
 
@@ -254,8 +257,8 @@ class MixedSteps:
         self.walls: list[tuple[int, float]] = []
         self.decode_walls: list[float] = []
         self.profiles: dict[str, tuple] = {}
-        self._run = runner.run
-        runner.run = self.run
+        self._launch = runner.launch
+        runner.launch = self.launch
 
     def _chunk_start(self, seqs) -> int | None:
         from areal_tik.engine.sequence import split_step, step_kind
@@ -266,7 +269,13 @@ class MixedSteps:
         long = [s for s in prefill if s.num_tokens >= self.long_len]
         return long[0].num_computed_tokens if long and decode else None
 
-    def run(self, seqs, *args, **kwargs):
+    def _run(self, seqs, *args, **kwargs):
+        step = self._launch(seqs, *args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return step
+
+    def launch(self, seqs, *args, **kwargs):
         start = self._chunk_start(seqs)
         if start == self.profile_start and "mixed" not in self.profiles:
             label = f"mixed step, chunk @{start} + {len(seqs) - 1} decode rows (engine thread)"
@@ -298,7 +307,7 @@ class MixedSteps:
             setattr(runner, name, _in_range(f"step::{name}", fn))
         try:
             t = time.perf_counter()
-            out = self._run(seqs, *args, **kwargs)  # ends in a blocking copy: the step is done
+            out = self._run(seqs, *args, **kwargs)  # ends in a device synchronise: the step is done
             wall = time.perf_counter() - t
         finally:
             for name, _ in labelled:
