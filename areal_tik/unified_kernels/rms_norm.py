@@ -132,10 +132,13 @@ def _load_row_block(x_ptr, r_ptr, s_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr,
 
 
 @triton.jit
-def _scale_store(x, rstd, w_ptr, y_ptr, cols, offs, mask, H: tl.constexpr,
-                 EMULATE_RNE: tl.constexpr):
-    """y = ((x * rstd) rounded to y's dtype) * w, rounded again."""
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+def _load_weight(w_ptr, cols, H: tl.constexpr):
+    return tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scale_store(x, rstd, w, y_ptr, offs, mask, EMULATE_RNE: tl.constexpr):
+    """y = ((x * rstd) rounded to y's dtype) * w (fp32 weight values), rounded again."""
     normed = cast_rne(x * rstd[:, None], y_ptr.dtype.element_ty, EMULATE_RNE).to(tl.float32)
     tl.store(y_ptr + offs, cast_rne(normed * w[None, :], y_ptr.dtype.element_ty, EMULATE_RNE),
              mask=mask)
@@ -177,6 +180,9 @@ def _rms_norm_fwd_kernel(
     row_mask = (rows < n_rows)[:, None]
     cols = tl.arange(0, BLOCK)
     if N_CHUNKS == 1:
+        # The weight is loaded before the rows, not after their reduction: at decode sizes the
+        # kernel is latency-bound, and the load no longer waits behind the reduction's barrier.
+        w = _load_weight(w_ptr, cols, H)
         offs = rows[:, None] * H + cols[None, :]
         mask = row_mask & (cols < H)[None, :]
         if HEADS > 0:
@@ -185,7 +191,7 @@ def _rms_norm_fwd_kernel(
         else:
             x = _load_row_block(x_ptr, r_ptr, s_ptr, offs, mask, HAS_RESIDUAL, True, EMULATE_RNE)
         rstd = _rstd(tl.sum(x * x, axis=1), eps, H)
-        _scale_store(x, rstd, w_ptr, y_ptr, cols, offs, mask, H, EMULATE_RNE)
+        _scale_store(x, rstd, w, y_ptr, offs, mask, EMULATE_RNE)
     else:
         acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for c in tl.static_range(N_CHUNKS):  # chunk c: columns [c * BLOCK, (c + 1) * BLOCK)
@@ -198,7 +204,7 @@ def _rms_norm_fwd_kernel(
             offs = rows[:, None] * H + (c * BLOCK + cols)[None, :]
             mask = row_mask & (c * BLOCK + cols < H)[None, :]
             x = _load_row_block(x_ptr, r_ptr, s_ptr, offs, mask, HAS_RESIDUAL, True, EMULATE_RNE)
-            _scale_store(x, rstd, w_ptr + c * BLOCK, y_ptr, cols, offs, mask, H - c * BLOCK,
+            _scale_store(x, rstd, _load_weight(w_ptr + c * BLOCK, cols, H - c * BLOCK), y_ptr, offs, mask,
                          EMULATE_RNE)
 
 
