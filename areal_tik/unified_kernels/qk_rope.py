@@ -15,9 +15,10 @@ Why the bits are the same:
   same vector width and register layout), and reduces it with the same ``tl.sum`` and
   ``_rstd``. The two roundings (``x * rstd`` to the dtype, then ``* weight`` to the dtype)
   are the same elementwise operations on the halves of each row, reloaded from the input.
-  A layout that could differ would show in ``tests/test_qk_rope.py``'s GPU test, which
-  compares every output and cache bit with the composition on the published configs'
-  shapes, views of a fused q|k|v output and contiguous tensors.
+  ``tests/_layout_probe.py`` compiles both kernels for sm_90a on the CPU and finds the same
+  reduction layout; ``tests/test_qk_rope.py``'s GPU test compares every output and cache bit
+  with the composition on the published configs' shapes, views of a fused q|k|v output and
+  contiguous tensors.
 - The rope: the same explicit fma on the same fp32 values (the normed values rounded to the
   dtype, as the rope kernel loads them), one rounding to the dtype. Elementwise, so the
   grouping of rows into programs cannot matter.
