@@ -20,7 +20,7 @@ for its predecessor as usual, and one launched after it waits for it.
 soon as every program of this one has started: at most two kernels are resident, and the
 next one only takes SM slots this one no longer needs (all its programs already run).
 
-Weight prefetch (``PREFETCH``, ``AREAL_TIK_PDL_PREFETCH``, default 0 until a GPU has timed it;
+Weight prefetch (``PREFETCH``, ``AREAL_TIK_PDL_PREFETCH``, default 0: it did not pay, below;
 only with PDL): a small-row linear program asks L2 for its whole weight slice before it waits
 (``l2_prefetch_rows_then_wait``), so the weights stream while the previous kernel (a norm,
 rope, attention) still runs. ``cp.async.bulk.prefetch.L2`` moves lines into L2 and nothing
@@ -28,9 +28,10 @@ into the program; L2 is where every SM's global loads and stores meet, so a line
 previous kernel writes after the prefetch is updated there and the loads after the wait
 read the written value. So even data a predecessor writes could not be read stale; the
 weights of a forward are not written by any kernel of it anyway. Its sm_90a code is checked
-on the CPU (tests/test_pdl.py: the prefetch, then the wait, then every global access); its bits
-and its speed on a GPU are not measured yet (``eval/bench_rollout.py --backends unified
-unified-prefetch``, ``tests/test_pdl.py -m gpu``), so it stays off by default.
+on the CPU (tests/test_pdl.py: the prefetch, then the wait, then every global access); on an
+H100 its bits equal the training forward's (``tests/test_pdl.py -m gpu``) but it gained nothing
+(0.99x tokens/s at batch 1, 0.94x at 64, one run of ``eval/bench_rollout.py --backends unified
+unified-prefetch``, ``eval/results/2026-12-07_h100_03872f2/``), so it stays off by default.
 
 On: ``AREAL_TIK_PDL`` (default 1) and a CUDA tensor on a device of compute capability 9 or
 newer, outside the interpreter (whose inline assembly is not executed; there the flag is
