@@ -1,5 +1,5 @@
 """qk_norm_rope: one launch with the bits of rms_norm (per head), apply_rope and store_kv_cache
-in sequence (``qk_rope._composed``, the reference), on q/k/v as views of a fused q|k|v output
+in sequence (``qk_rope.compose(UNIFIED_OPS, ...)``, the reference), on q/k/v as views of a fused q|k|v output
 (rollout) and as contiguous tensors; the composition under autograd and for layouts the
 fused kernel does not take; its launch keys do not follow the token count; bad input."""
 import importlib
@@ -45,8 +45,7 @@ def _both(t, hq, hk, d, device, store=True, **kw):
         caches = [torch.full(cache_shape, 7.0, dtype=q.dtype, device=device) for _ in range(2)]
         cache = dict(v=v, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots) if store else {}
         if fn is None:
-            res = Q._composed(q, k, pos, cos, sin, qw, kw_, 1e-6, cache.get("v"), cache.get("k_cache"),
-                              cache.get("v_cache"), cache.get("slot_mapping"), True)
+            res = Q.compose(Q.UNIFIED_OPS, q, k, pos, cos, sin, qw, kw_, 1e-6, **cache)
         else:
             res = fn(q, k, pos, cos, sin, qw, kw_, 1e-6, **cache)
         out.append([*res, *(caches if store else [])])
@@ -166,7 +165,7 @@ def test_gpu_out_of_range_positions_poison_only_their_token_as_the_composition_d
     q, k, v, (qw, kw_), pos, cos, sin, _, _ = _inputs(4, 16, 8, 128, "cuda", max_pos=64)
     pos[2] = 64
     fused = Q.qk_norm_rope(q, k, pos, cos, sin, qw, kw_, 1e-6)
-    composed = Q._composed(q, k, pos, cos, sin, qw, kw_, 1e-6, None, None, None, None, False)
+    composed = Q.compose(Q.UNIFIED_OPS, q, k, pos, cos, sin, qw, kw_, 1e-6)
     for a, b in zip(fused, composed):
         assert bool(a[2].isnan().all()) and bool(a[[0, 1, 3]].isfinite().all())
         assert_bitwise(a[[0, 1, 3]], b[[0, 1, 3]], "finite rows")

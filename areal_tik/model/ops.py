@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_tik.runtime import KERNEL_SETS
-from areal_tik.unified_kernels import reference
+from areal_tik.unified_kernels import qk_rope, reference
 from areal_tik.unified_kernels._ktree import check_k_groups, combine_partials, tree_sum
 
 OP_NAMES = (
@@ -482,20 +482,8 @@ _STANDARD = {
 }
 
 
-def _std_qk_norm_rope(ops, q, k, positions, cos, sin, q_weight=None, k_weight=None, eps=1e-6, *, v=None,
-                      k_cache=None, v_cache=None, slot_mapping=None, validate=True):
-    """The ops of ``ops`` in sequence (a stock stack's separate, or compiled, kernels): the
-    per-head norms when weights are given, rope, then the K/V cache write when a cache is."""
-    if q_weight is not None:
-        q, k = ops.rms_norm(q, q_weight, eps), ops.rms_norm(k, k_weight, eps)
-    q, k = ops.apply_rope(q, k, positions, cos, sin)
-    if k_cache is not None:
-        ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=validate)
-    return q, k
-
-
 # Composite ops: bound to their namespace, so that they call its ops (compiled ones included).
-_STANDARD_COMPOSITES = {"qk_norm_rope": _std_qk_norm_rope}
+_STANDARD_COMPOSITES = {"qk_norm_rope": qk_rope.compose}  # norms, rope, K/V write in sequence
 assert set(_STANDARD) | set(_STANDARD_COMPOSITES) == set(OP_NAMES)
 
 

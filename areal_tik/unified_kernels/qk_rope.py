@@ -4,7 +4,7 @@ What it computes: exactly ``rms_norm`` per head on q and k (Qwen3's q_norm / k_n
 when no weights are given, as for Qwen2 and Llama), then ``apply_rope`` on both, then, when a
 cache is given, ``store_kv_cache`` of the rotated k and of v. The same bits as those three ops
 (four launches per layer, three without the norms) in sequence: that composition is this op's
-reference, and ``_composed`` is it.
+reference, and ``compose(UNIFIED_OPS, ...)`` is it (the stock op set runs ``compose`` over its own ops).
 
 Why the bits are the same:
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import types
 
 import torch
 import triton
@@ -189,15 +190,23 @@ def fused_ok(q, k, q_weight, k_weight, v=None) -> bool:
             and _rms.norm_config(dim).n_chunks == 1 and (v is None or v.stride(-1) == 1))
 
 
-def _composed(q, k, positions, cos, sin, q_weight, k_weight, eps, v, k_cache, v_cache, slot_mapping, validate):
-    """The reference: the three ops in sequence."""
+def compose(ops, q, k, positions, cos, sin, q_weight=None, k_weight=None, eps=1e-6, *, v=None, k_cache=None,
+            v_cache=None, slot_mapping=None, validate=True):
+    """The op's definition: ``ops``' per-head ``rms_norm`` (when weights are given), ``apply_rope``,
+    then ``store_kv_cache`` (when a cache is), in sequence. ``ops`` is any op table: ``UNIFIED_OPS``
+    (this op's reference and its path under autograd) or a stock set (model/ops.py, whose
+    compiled ops it then calls)."""
     if q_weight is not None:
-        q = _rms.rms_norm(q, q_weight, eps)
-        k = _rms.rms_norm(k, k_weight, eps)
-    q, k = _rope.apply_rope(q, k, positions, cos, sin)
+        q, k = ops.rms_norm(q, q_weight, eps), ops.rms_norm(k, k_weight, eps)
+    q, k = ops.apply_rope(q, k, positions, cos, sin)
     if k_cache is not None:
-        _attention.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=validate)
+        ops.store_kv_cache(k, v, k_cache, v_cache, slot_mapping, validate=validate)
     return q, k
+
+
+# The three unified ops ``compose`` runs for this op.
+UNIFIED_OPS = types.SimpleNamespace(rms_norm=_rms.rms_norm, apply_rope=_rope.apply_rope,
+                                    store_kv_cache=_attention.store_kv_cache)
 
 
 def _check(q, k, positions, cos, sin, q_weight, k_weight, eps, v, k_cache, v_cache, slot_mapping, validate):
@@ -226,8 +235,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     ``(q_out, k_out)``: the bits of ``rms_norm``, ``apply_rope`` and ``store_kv_cache`` in sequence."""
     eps = _check(q, k, positions, cos, sin, q_weight, k_weight, eps, v, k_cache, v_cache, slot_mapping, validate)
     if not (on_fast_device(q, k, positions, cos) and fused_ok(q, k, q_weight, k_weight, v)):
-        return _composed(q, k, positions, cos, sin, q_weight, k_weight, eps, v, k_cache, v_cache, slot_mapping,
-                         validate)
+        return compose(UNIFIED_OPS, q, k, positions, cos, sin, q_weight, k_weight, eps, v=v, k_cache=k_cache,
+                       v_cache=v_cache, slot_mapping=slot_mapping, validate=validate)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.contiguous(), sin.contiguous()
     tokens, hq, dim = q.shape
@@ -257,4 +266,4 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
     return q_out, k_out
 
 
-__all__ = ["qk_norm_rope", "fused_ok"]
+__all__ = ["qk_norm_rope", "fused_ok", "compose", "UNIFIED_OPS"]
