@@ -21,8 +21,9 @@ sampler into the graph saves per step.
 (``overlap_steps=False``), ``unified-nopdl`` the unified engine with programmatic dependent
 launch off (``unified_kernels/_pdl.py``), ``unified-prefetch`` with PDL and the small-row
 linears' L2 weight prefetch (off by default), ``unified-unfused-qk`` with the q/k norms, rope and
-K/V store as separate launches (``unified_kernels/qk_rope.py``): what each changes, side by side
-in one run.
+K/V store as separate launches (``unified_kernels/qk_rope.py``), ``unified-k64`` with the decode
+linears' wide-K entries off (BLOCK_K 64 in every launch; the same bits): what each changes, side
+by side in one run.
 
 ``--backends ... compiled`` adds the standard set with its elementwise ops (RMSNorm,
 residual add + RMSNorm, rope, SiLU-mul) under ``torch.compile``, as vLLM compiles its model
@@ -61,6 +62,7 @@ from areal_tik.model.ops import compiled_standard_ops, one_block_per_sequence  #
 from areal_tik.unified_kernels import _pdl  # noqa: E402
 
 _qk_rope = importlib.import_module("areal_tik.unified_kernels.qk_rope")
+_linear = importlib.import_module("areal_tik.unified_kernels.linear")
 
 PEAK_TBPS = 4.26  # measured device copy (read + write) on the H200
 PROMPT_LEN = 128
@@ -68,13 +70,15 @@ FULL = dict(batches=(1, 16, 64), new_tokens=(256, 512))
 QUICK = dict(batches=(1, 64), new_tokens=(256,))
 # The unified engine with one thing changed, each timed beside "unified" in the same run:
 # EngineConfig fields, PDL off, the linears' L2 weight prefetch on (unified_kernels/_pdl.py), the
-# q/k norms, rope and K/V store as separate launches (unified_kernels/qk_rope.py).
+# q/k norms, rope and K/V store as separate launches (unified_kernels/qk_rope.py), the decode
+# linears without their wide-K entries (BLOCK_K 64 everywhere; unified_kernels/linear.py).
 UNIFIED_VARIANTS = {
     "unified-eager-sampler": dict(options={"graph_sample_temperature": None}),
     "unified-serial": dict(options={"overlap_steps": False}),
     "unified-nopdl": dict(pdl=False),
     "unified-prefetch": dict(prefetch=True),
     "unified-unfused-qk": dict(fused_qk=False),
+    "unified-k64": dict(wide_k=False),
 }
 BACKENDS = ("unified", "standard", "hf", "compiled", *UNIFIED_VARIANTS)
 DEFAULT_BACKENDS = ("unified", "standard", "hf")
@@ -126,6 +130,7 @@ def bench_engine(hf_model, kernels: str, shapes, vocab: int) -> dict:
     # PDL and the prefetch hold for the whole backend: its graphs' capture and its eager prefills
     with _pdl.enabled(_pdl.ENABLED and variant.get("pdl", True), _pdl.PREFETCH or variant.get("prefetch", False)), \
             _qk_rope.enabled(_qk_rope.ENABLED and variant.get("fused_qk", True)), \
+            _linear.wide_k(_linear.WIDE_K and variant.get("wide_k", True)), \
             LLM(model, engine_config(shapes, block, **variant.get("options", {}))) as llm:
         print(f"  {kernels:8} decode attention: {llm.runner.decode_attention}", flush=True)
         times = _time_engine(llm, kernels, shapes, vocab)

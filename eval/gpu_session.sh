@@ -49,6 +49,12 @@ STAGES=${*:-env tests bench_ops bench_attn}
 COMMIT=${AREAL_TIK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export AREAL_TIK_COMMIT=$COMMIT
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
+# Wide-K linear entries measured on this machine by probe_block_k (kept in /tmp while it is held)
+TILES=${TILES:-/tmp/areal-tik-linear-tiles.json}
+use_tiles() {
+  if [ -f "$TILES" ]; then export AREAL_TIK_LINEAR_TILES=$TILES; cp "$TILES" "$W/csv/"; log "linear tiles: $(cat "$TILES" | tr -d '\n ')"; fi
+}
+use_tiles
 run() {  # run NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
   log "$name"
@@ -70,7 +76,9 @@ for s in $STAGES; do case $s in
              run bench_pointwise 90 python3 -m eval.bench_pointwise --out "$W/csv"
              run bench_logprob 60 python3 -m eval.bench_logprob --out "$W/csv" ;;
   # is BLOCK_K numerics or geometry on the GPU? bits at BLOCK_K 16-256 vs 64, decode timing (~4 min)
-  probe_block_k) run probe_block_k 400 python3 -m eval.probe_block_k --out "$W/csv"; cat "$W/probe_block_k.log" ;;
+  # (writes the promoted wide-K entries to $TILES: every later stage on this machine runs with them)
+  probe_block_k) run probe_block_k 400 python3 -m eval.probe_block_k --promote "$TILES" --out "$W/csv"
+                 cat "$W/probe_block_k.log"; use_tiles ;;
   sweep_linear) run sweep_linear 240 python3 -m eval.bench_linear --sweep --out "$W/csv" ;;
   # The K-group tree (tensor-parallel row shards): its GPU proof (~150 Triton variants:
   # apart from "tests" for its time), then its cost at TP = 1.

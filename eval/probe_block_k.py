@@ -15,7 +15,12 @@ whose time is dominated by the per-step latency of a sequential chain (32-96 ste
    16, 32, 128, 256 against the table's config (BLOCK_K 64), compared as int16 views;
    the fused LM-head log-prob (its logits, lse and target log-prob) likewise.
 2. Time (CUDA-graph replay, inputs rotated past L2, as eval/bench_linear.py): the decode
-   shapes at 1 and 64 rows, the table's config vs BLOCK_K 128 / 256 tiles, and cuBLAS.
+   shapes at 1 and 64 rows, the table's config vs BLOCK_K 128 / 256 tiles (each first
+   checked bit-equal to the table's on the three distributions), and cuBLAS; the
+   promotion rule (``PROMOTE_GAIN`` / ``PROMOTE_CAP``) picks wide-K entries per shape and
+   ``--promote FILE`` writes them for ``AREAL_TIK_LINEAR_TILES`` (_linear_tiles.load_wide_k).
+3. The fused LM-head log-prob at BLOCK_K 64 / 128 / 256 and a few pipelines, timed at 1 and
+   64 rows.
 Prints one line per case and a summary; writes a long-format CSV.
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import json
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -66,14 +72,13 @@ def probe_bits(quick: bool) -> list[dict]:
     shapes = BIT_SHAPES[:3] if quick else BIT_SHAPES
     for (k, n), m, kind in itertools.product(shapes, BIT_ROWS, ("normal", "wide", "cancel")):
         x, w = dist_inputs(kind, m, k, n, seed=k + n + m)
-        bias = (torch.randn(n, device=DEVICE) * 0.1).bfloat16()
-        ref = bits(L.linear_forward(x, w, bias))
+        ref = bits(L.partial_forward(x, w, 1))  # the unrounded fp32 chain: no bf16 rounding hides a bit
         for (bm, bn, warps, stages, kind_), bk in itertools.product(BIT_TILES, BLOCK_KS):
             if m > 300 and bm == 64 or m < 64 and bm > 64:
                 continue
             cfg = T._cfg(bm, bn, warps, stages, kind_, block_k=bk)
             try:
-                got = bits(L.linear_forward(x, w, bias, cfg))
+                got = bits(L.partial_forward(x, w, 1, cfg))
             except OutOfResources:
                 continue
             equal = torch.equal(got, ref)
@@ -122,29 +127,62 @@ def timing_configs(k: int):
             yield T._cfg(64, bn, 4, stages, block_k=bk)
 
 
-def probe_time(quick: bool, rep_ms: int) -> list[dict]:
-    rows = []
+def same_bits(cfg, table_cfgs, k, n) -> bool:
+    """``cfg``'s unrounded fp32 chain equals the table's at 1 and 64 rows on every distribution."""
+    for m, kind in itertools.product((1, 64), ("normal", "wide", "cancel")):
+        x, w = dist_inputs(kind, m, k, n, seed=7 * m + k)
+        if not torch.equal(bits(L.partial_forward(x, w, 1, cfg)), bits(L.partial_forward(x, w, 1, table_cfgs[m]))):
+            return False
+    return True
+
+
+# The promotion rule, fixed before any timing: per decode shape, the bit-equal candidate with
+# the least time at 1 + 64 rows, if that sum is <= 0.97x the table's and neither row count is
+# slower than 1.02x the table's.
+PROMOTE_GAIN, PROMOTE_CAP = 0.97, 1.02
+
+
+def probe_time(quick: bool, rep_ms: int) -> tuple[list[dict], dict]:
+    rows, promoted = [], {}
     shapes = [s for s in SHAPES if s[1] in DECODE_LAYERS]
     if quick:
         shapes = [s for s in shapes if s[0] == "qwen3-0.6b"]
-    for (model, layer, k, n), m in itertools.product(shapes, (1, 64)):
-        table = L.linear_config(m, n, k, torch.bfloat16)
-        cands = [("table", table)] + [("bk", c) for c in timing_configs(k)]
-        base = measure(lambda x, w: (lambda: torch.nn.functional.linear(x, w)), m, k, n, rep_ms, "graph")
-        res = []
-        for tag, cfg in cands:
+    cublas = lambda x, w: (lambda: torch.nn.functional.linear(x, w))  # noqa: E731
+    for model, layer, k, n in shapes:
+        table = {m: L.linear_config(m, n, k, torch.bfloat16) for m in (1, 64)}
+        base = {m: measure(cublas, m, k, n, rep_ms, "graph")["us"] for m in (1, 64)}
+        timed = []  # (tag, cfg, {m: us})
+        for tag, cfg in [("table", None)] + [("wide", c) for c in timing_configs(k)]:
             try:
-                r = measure(lambda x, w, c=cfg: (lambda: L.linear_forward(x, w, None, c)), m, k, n, rep_ms, "graph")
+                if cfg is not None and not same_bits(cfg, table, k, n):
+                    print(f"  DIFF {model} {layer} {name(cfg)}: bits differ from the table's")
+                    rows.append({"probe": "linear_time", "model": model, "layer": layer, "K": k, "N": n,
+                                 "config": name(cfg), "tag": tag, "equal": 0})
+                    continue
+                us = {m: measure(lambda x, w, c=cfg or table[m]: (lambda: L.linear_forward(x, w, None, c)),
+                                 m, k, n, rep_ms, "graph")["us"] for m in (1, 64)}
             except OutOfResources:
                 continue
-            res.append((r["us"], tag, cfg))
-            rows.append({"probe": "linear_time", "model": model, "layer": layer, "K": k, "N": n, "M": m,
-                         "config": name(cfg), "tag": tag, "us": r["us"], "tbps": r["tbps"], "cublas_us": base["us"]})
-        t_table = next(us for us, tag, _ in res if tag == "table")
-        best = min(res, key=lambda r: r[0])
-        print(f"  {model:>12} {layer:>7} K={k:<5} N={n:<6} M={m:<3} table {t_table:6.1f} us ({name(table)})  "
-              f"best {best[0]:6.1f} us ({name(best[2])}, {t_table / best[0]:.2f}x)  cuBLAS {base['us']:6.1f} us")
-    return rows
+            timed.append((tag, cfg, us))
+            for m in (1, 64):
+                rows.append({"probe": "linear_time", "model": model, "layer": layer, "K": k, "N": n, "M": m,
+                             "config": name(cfg or table[m]), "tag": tag, "equal": 1, "us": us[m],
+                             "tbps": 2.0 * (m * k + n * k + m * n) / us[m] * 1e-6, "cublas_us": base[m]})
+        ref = timed[0][2]
+        best = min(timed[1:], key=lambda t: t[2][1] + t[2][64], default=None)
+        verdict = "kept"
+        if best is not None:
+            gain = (best[2][1] + best[2][64]) / (ref[1] + ref[64])
+            if gain <= PROMOTE_GAIN and all(best[2][m] <= PROMOTE_CAP * ref[m] for m in (1, 64)):
+                promoted[f"64,{n},{k}"] = dataclasses.asdict(best[1])
+                verdict = f"promoted ({gain:.2f}x the table's time)"
+        for m in (1, 64):
+            b = best[2][m] if best else float("nan")
+            print(f"  {model:>12} {layer:>7} K={k:<5} N={n:<6} M={m:<3} table {ref[m]:6.1f} us ({name(table[m])})  "
+                  f"best wide {b:6.1f} us ({name(best[1]) if best else '-'}, {ref[m] / b:.2f}x)  "
+                  f"cuBLAS {base[m]:6.1f} us")
+        print(f"  {model:>12} {layer:>7}: {verdict}")
+    return rows, promoted
 
 
 def probe_logprob_time(rep_ms: int) -> list[dict]:
@@ -175,6 +213,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rep-ms", type=int, default=40)
     parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--promote", help="JSON file for the promoted wide-K entries (linear._linear_tiles.load_wide_k)")
     args = parser.parse_args(argv)
     info = run_info()
     print(f"{info['device']}  torch {info['torch']}  triton {info['triton']}  commit {info['commit']}")
@@ -187,8 +226,13 @@ def main(argv=None) -> None:
                f"logprob bits: {sum(r['equal'] for r in lp)} / {len(lp)} cases equal"]
     print("\n".join(summary))
     if not args.skip_time:
-        rows += probe_time(args.quick, args.rep_ms)
-        rows += probe_logprob_time(args.rep_ms)
+        timed, promoted = probe_time(args.quick, args.rep_ms)
+        rows += timed + probe_logprob_time(args.rep_ms)
+        summary.append(f"wide-K entries promoted: {len(promoted)} ({', '.join(promoted) or 'none'})")
+        if args.promote:
+            with open(args.promote, "w") as f:
+                json.dump(promoted, f, indent=1, sort_keys=True)
+            summary.append(f"wrote {args.promote} (AREAL_TIK_LINEAR_TILES reads it)")
     rows = [dict(info, **r) for r in rows]
     print_summary(summary, [write_csv(rows, args.out, f"probe_block_k_{info['commit']}.csv")])
 

@@ -6,6 +6,8 @@ at real sizes on CUDA, including the proof that the row-count buckets change no 
 """
 import dataclasses
 import importlib
+import itertools
+import json
 import warnings
 
 import pytest
@@ -247,20 +249,36 @@ def test_negative_control_split_k_changes_bits(device):
         assert_bitwise(split, base, "split-K")  # ... different bits
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics; see the GPU report")
-def test_negative_control_block_k_changes_bits_in_interpreter():
-    """Under the interpreter each BLOCK_K block is summed, then added: BLOCK_K sets the bits."""
-    x, w, b = _problem(16, 128, 64, torch.float32, "cpu", seed=11)
-    cfg = L.linear_config(16, 64, 128, torch.float32)
-    base = L.linear_forward(x, w, b, config=cfg)
-    other = L.linear_forward(x, w, b, config=dataclasses.replace(cfg, block_k=2 * cfg.block_k))
-    assert rel_err(other, base) < 1e-6
-    with pytest.raises(AssertionError, match="differ in bits"):
-        assert_bitwise(other, base, "BLOCK_K doubled")
+def _host_chain(x, w, step):
+    """The fp32 chain over K in ``step``-column steps from zero: each step's products summed
+    exactly in fp64 with the running sum, rounded to fp32 (what the interpreter models
+    for a 16-column MMA step; bf16 products are exact in fp64)."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for start in range(0, x.shape[1], step):
+        acc = (acc.double() + x[:, start:start + step].double() @ w[:, start:start + step].double().T).float()
+    return acc
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics; the GPU's: test_gpu_block_k_is_geometry")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_k_is_geometry_in_interpreter(dtype):
+    """A block's dot is a chain of 16-column steps (as BLOCK_K / 16 chained k16 MMAs are on
+    the GPU): every BLOCK_K gives the bits of the host's 16-column chain, both kernels. The
+    negative control: 32-column steps (one rounding per 32 columns) give other bits, so
+    the check can see a wider step."""
+    x, w, _ = _problem(16, 128, 64, dtype, "cpu", seed=11, bias=False)
+    expect = _host_chain(x, w, 16)
+    assert not torch.equal(_host_chain(x, w, 32).view(torch.int32), expect.view(torch.int32))
+    cfg = L.linear_config(16, 64, 128, dtype)
+    for block_k, persistent in itertools.product((16, 32, 64, 128), (False, True)):
+        tile = dataclasses.replace(cfg, block_k=block_k, persistent=persistent)
+        # the unrounded fp32 chain (bf16 outputs would hide a last-bit fp32 difference)
+        assert_bitwise(L.partial_forward(x, w, 1, tile), expect, f"BLOCK_K {block_k}, persistent {persistent}")
+        assert_bitwise(L.linear_forward(x, w, None, config=tile), expect.to(dtype), f"BLOCK_K {block_k} rounded")
 
 
 # ---------------------------------------------------------------- configuration table
-def test_config_tables_fix_block_k_and_use_wgmma_shapes():
+def test_config_tables_use_mma_k_steps_and_wgmma_shapes():
     tables = [(L._GPU_BUCKETS, L._GPU_FIXED, L._GPU_CANDIDATES),
               (L._CPU_BUCKETS, L._CPU_FIXED, {dt: L._CPU_CANDIDATES for dt in DTYPES})]
     for table, fixed, candidates in tables:
@@ -268,7 +286,8 @@ def test_config_tables_fix_block_k_and_use_wgmma_shapes():
             limits = [m for m, _ in buckets]
             assert limits[-1] is None and limits[:-1] == sorted(limits[:-1])
             configs = [cfg for _, ladder in buckets for cfg, _, _ in ladder] + list(candidates[dtype])
-            assert {cfg.block_k for cfg in configs} == {fixed[dtype].block_k}, dtype
+            # K steps of the MMA's 16 columns (_linear_chain.MMA_K): any multiple is geometry
+            assert all(cfg.block_k % 16 == 0 for cfg in configs + [fixed[dtype]]), dtype
             # A ladder ends with an unbounded tiled rung: the choice when nothing else fits.
             assert all(not ladder[-1][0].persistent and ladder[-1][2] == 0 for _, ladder in buckets)
             assert not any(cfg.split_epilogue and not cfg.persistent for cfg in configs)
@@ -310,6 +329,7 @@ def test_promoted_entries_take_precedence_only_where_the_search_timed_them(monke
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
     monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setattr(T, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "WIDE_K", False)  # the wide-K entries have their own test
     bf16 = torch.bfloat16
     proven = {cfg for _, ladder in T._GPU_BUCKETS[bf16] for cfg, _, _ in ladder} | set(T._GPU_CANDIDATES[bf16])
     assert T._TUNED_BF16 and set(T._TUNED_BF16.values()) <= proven
@@ -338,6 +358,39 @@ def test_promoted_entries_take_precedence_only_where_the_search_timed_them(monke
         assert chosen[case] == (want if want is not None else ladder[case]), case
     assert sum(want is not None for want in cases.values()) >= 2 * len(T._TUNED_BF16)
     assert L.linear_config(64, 1024, 2048, torch.float32, sms=132) == L.linear_config(64, 1024, 2048, torch.float32, sms=114)
+
+
+def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_path):
+    """``_WIDE_K_BF16``: its (bucket, N, K) on a 132-SM GPU while ``WIDE_K`` is on and the
+    launch is the plain chain (no K groups); the ladder / search entries otherwise. Entries
+    load from the JSON eval/probe_block_k.py writes; a BLOCK_K that is not a multiple of
+    16, does not divide K, or a persistent entry is refused."""
+    T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(T, "interpreting", lambda: False)
+    monkeypatch.setattr(T, "_WIDE_K_BF16", {})
+    bf16, n, k = torch.bfloat16, 1024, 2048
+    without = {rows: L.linear_config(rows, n, k, bf16, sms=132) for rows in (1, 64, 65)}
+    wide = T._cfg(64, 16, 4, 5, block_k=256)
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps({f"64,{n},{k}": dataclasses.asdict(wide)}))
+    assert T.load_wide_k(str(path)) == 1
+    try:
+        assert L.linear_config(1, n, k, bf16, sms=132) == L.linear_config(64, n, k, bf16, sms=132) == wide
+        assert wide in L.linear_candidates(bf16)  # so the GPU contract test runs it
+        assert L.linear_config(65, n, k, bf16, sms=132) == without[65]  # the next bucket
+        assert L.linear_config(1, n, k, bf16, sms=114) == L.linear_config(1, n, k, bf16, sms=114, k_groups=1)
+        assert L.linear_config(1, n, k, bf16, sms=114) != wide  # another GPU
+        assert L.linear_config(1, n, k, bf16, sms=132, k_groups=2).block_k == 64  # the tree: no wide entry
+        assert L.linear_config(1, n, k + 64, bf16, sms=132).block_k == 64  # another shape
+        monkeypatch.setattr(L, "WIDE_K", False)
+        assert L.linear_config(1, n, k, bf16, sms=132) == without[1]
+        for bad in (dict(block_k=96), dict(block_k=4096), dict(persistent=True)):
+            path.write_text(json.dumps({f"64,{n},{k}": dataclasses.asdict(dataclasses.replace(wide, **bad))}))
+            with pytest.raises(ValueError, match="not a wide-K decode tile"):
+                T.load_wide_k(str(path))
+    finally:
+        T._select.cache_clear()
 
 
 def test_launch_metadata_names_the_launch():
@@ -580,16 +633,37 @@ def test_gpu_cublas_row_invariance_report():
                   f"from M=1, by row count: {report}; unified linear: 0 for every row count")
 
 
+def _adversarial(m, k, n, kind, seed):
+    """bf16 x, weight: ``wide`` spreads exponents over +-2^24 (every alignment shift inside
+    a step's sum), ``cancel`` pairs nearly opposite products (the sums keep low bits)."""
+    g = torch.Generator(device=GPU).manual_seed(seed)
+    x = torch.randn(m, k, device=GPU, generator=g)
+    w = torch.randn(n, k, device=GPU, generator=g) * k ** -0.5
+    if kind == "wide":
+        x = x * torch.exp2(torch.randint(-24, 25, (m, k), device=GPU, generator=g).float())
+        w = w * torch.exp2(torch.randint(-12, 13, (n, k), device=GPU, generator=g).float())
+    else:
+        x[:, 1::2] = -x[:, 0::2] * (1 + 2.0 ** -7 * torch.randn(m, k // 2, device=GPU, generator=g))
+        w[:, 1::2] = w[:, 0::2]
+    return x.bfloat16(), w.bfloat16()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_block_k_report(dtype):
-    """Context, never a failure: does BLOCK_K change bits on this GPU? The MMA chain over
-    K (k16 wgmma steps for bf16, one FMA per k for fp32) may make BLOCK_K a free choice."""
-    x, w, b = _gpu_problem(300, 2048, 3072, dtype, seed=27, bias=True)
-    cfg = L.linear_config(300, 3072, 2048, dtype)
-    base = L.linear_forward(x, w, b, config=cfg)
-    report = {}
-    for block_k in (cfg.block_k // 2, 2 * cfg.block_k):
-        other = L.linear_forward(x, w, b, config=dataclasses.replace(cfg, block_k=block_k, num_stages=2))
-        report[block_k] = int((bits(other) != bits(base)).sum())
-    warnings.warn(f"{dtype} BLOCK_K {cfg.block_k} vs others, differing elements of {base.numel()}: {report}")
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_gpu_block_k_is_geometry(m):
+    """The claim the wide-K decode entries rest on: a bf16 dot is a chain of k16 wgmma steps,
+    so BLOCK_K 16, 32, 128 and 256 give the fp32 chain of BLOCK_K 64 bit for bit (the
+    unrounded accumulator, not only its bf16 rounding), tiled and persistent kernels, on
+    normal inputs and on inputs built to expose any other step width."""
+    k, n = 3072, 1024
+    base_cfg = L.linear_config(m, n, k, torch.bfloat16)
+    assert base_cfg.block_k == 64
+    for kind in ("normal", "wide", "cancel"):
+        if kind == "normal":
+            x, w, _ = _gpu_problem(m, k, n, torch.bfloat16, seed=31, bias=False)
+        else:
+            x, w = _adversarial(m, k, n, kind, seed=32)
+        base = L.partial_forward(x, w, 1, base_cfg)
+        for block_k, persistent in itertools.product((16, 32, 128, 256), (False, True)):
+            tile = L._cfg(64, 16 if m <= 64 else 64, 4, 2, "P" if persistent else "", block_k=block_k)
+            assert_bitwise(L.partial_forward(x, w, 1, tile), base, f"{kind}: BLOCK_K {block_k} vs 64, {tile}")

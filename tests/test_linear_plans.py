@@ -3,7 +3,6 @@ to a call with the same shapes, strides, dtypes, alignment, bias and K groups, a
 call gives the bits of a plan built afresh."""
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import pytest
@@ -56,13 +55,13 @@ def test_plans_follow_shape_stride_dtype_and_alignment(monkeypatch):
 
 def test_negative_control_a_planted_plan_is_served(monkeypatch):
     """The cache is really used (so the test above can fail): a plan planted under a call's
-    key with BLOCK_K doubled (other bits under the interpreter) changes that call's result."""
+    key that reduces K in two groups (the K-group tree: other bits) changes that call's result."""
     monkeypatch.setattr(L, "_PLANS", {})
     x, w = _randn(16, 128, dtype=torch.float32, seed=4), _randn(64, 128, dtype=torch.float32, seed=5, scale=0.1)
     base = L.linear(x, w)
     out = torch.empty(16, 64)
     cfg = L.linear_config(16, 64, 128, torch.float32)
-    planted = L._make_plan(x, w, out, False, dataclasses.replace(cfg, block_k=2 * cfg.block_k), 1)
+    planted = L._make_plan(x, w, out, False, cfg, 2)
     monkeypatch.setitem(L._PLANS, L._plan_key(x, w, out, False, 1), planted)
     with pytest.raises(AssertionError, match="differ in bits"):
         assert_bitwise(L.linear(x, w), base, "planted plan")

@@ -27,6 +27,7 @@ from tests._bits import assert_bitwise, rel_err
 from tests.test_linear import _count_persistent_launches, forward_if_it_fits
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
+MMA_K = importlib.import_module("areal_tik.unified_kernels._linear_chain").MMA_K.value  # the chain's step
 
 DTYPES = [torch.bfloat16, torch.float32]
 GROUPS = [1, 2, 4, 8]
@@ -41,12 +42,13 @@ def _problem(m, k, n, dtype, device, seed=0, bias=True):
     return x, w, b
 
 
-def _chain(x, w, block_k):
-    """One group's fp32 chain from zero, block by block, as the interpreter computes it:
-    each block's dot exact in fp64 (bf16 products), added to the fp32 sum, rounded to fp32."""
+def _chain(x, w, step):
+    """One group's fp32 chain from zero, ``step`` columns at a time, as the interpreter
+    computes it: each step's dot exact in fp64 (bf16 products), added to the fp32 sum,
+    rounded to fp32."""
     acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
-    for start in range(0, x.shape[1], block_k):
-        block = x[:, start:start + block_k].double() @ w[:, start:start + block_k].double().T
+    for start in range(0, x.shape[1], step):
+        block = x[:, start:start + step].double() @ w[:, start:start + step].double().T
         acc = (acc.double() + block).float()
     return acc
 
@@ -59,9 +61,9 @@ def _tree(sums):
     return _tree(sums[:half]) + _tree(sums[half:])
 
 
-def _reference(x, w, b, k_groups, block_k):
+def _reference(x, w, b, k_groups, step=MMA_K):
     width = x.shape[1] // k_groups
-    root = _tree([_chain(x[:, g * width:(g + 1) * width], w[:, g * width:(g + 1) * width], block_k)
+    root = _tree([_chain(x[:, g * width:(g + 1) * width], w[:, g * width:(g + 1) * width], step)
                   for g in range(k_groups)])
     if b is not None:
         root = root + b.float()
@@ -83,14 +85,13 @@ def _shards(x, w, t, k_groups):
 @pytest.mark.parametrize("k", [128, 160])  # 160 / 8 = 20: a masked last block inside each group
 def test_tree_matches_torch_reference_bitwise(dtype, k):
     x, w, b = _problem(5, k, 24, dtype, "cpu", seed=1)
-    block_k = L.linear_config(5, 24, k, dtype).block_k
     for k_groups in GROUPS:
         for bias in (b, None):
-            assert_bitwise(linear(x, w, bias, k_groups=k_groups), _reference(x, w, bias, k_groups, block_k),
+            assert_bitwise(linear(x, w, bias, k_groups=k_groups), _reference(x, w, bias, k_groups),
                            f"G={k_groups} K={k} bias={bias is not None}")
         partial = linear_partial(x, w, k_groups=k_groups)
         assert partial.dtype == torch.float32
-        assert_bitwise(partial, _reference(x.float(), w.float(), None, k_groups, block_k),
+        assert_bitwise(partial, _reference(x.float(), w.float(), None, k_groups),
                        f"partial G={k_groups} K={k}")
 
 
@@ -103,11 +104,11 @@ def test_every_config_and_both_kernels_follow_the_tree(monkeypatch):
     expected = 0
     for k, k_groups in ((128, 8), (160, 2), (160, 8)):  # group widths 16, 80, 20 (BLOCK_K 16)
         x, w, b = _problem(37, k, 40, torch.bfloat16, "cpu", seed=2)
-        expect = _reference(x, w, b, k_groups, L.linear_config(37, 40, k, torch.bfloat16).block_k)
+        expect = _reference(x, w, b, k_groups)
         for cfg in configs:
             assert_bitwise(L.linear_forward(x, w, b, config=cfg, k_groups=k_groups), expect,
                            f"K={k} G={k_groups} {cfg}")
-        expected += sum(cfg.persistent for cfg in configs) if (k // k_groups) % 16 == 0 else 0
+        expected += sum(cfg.persistent and (k // k_groups) % cfg.block_k == 0 for cfg in configs)
     assert seen["calls"] == expected > 0
 
 

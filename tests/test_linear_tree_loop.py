@@ -22,7 +22,7 @@ from tests.test_linear_tree import _chain, _problem
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
 
-BLOCK_K = 16  # every interpreter config's
+STEP = 16  # the chain's step: the MMA's K (_linear_chain.MMA_K), whatever a config's BLOCK_K
 WIDTHS = (16, 32, 40, 8)  # columns per group: 1 block (a close each block), 2 blocks, 2.5, half a block
 
 
@@ -30,7 +30,7 @@ def _host_tree(x, w, k_groups):
     """fp32 root: the tree over the groups' chains (bf16 values, exact products)."""
     width = x.shape[1] // k_groups
     return tree_sum([_chain(x[:, g * width:(g + 1) * width].float(), w[:, g * width:(g + 1) * width].float(),
-                            BLOCK_K) for g in range(k_groups)])
+                            STEP) for g in range(k_groups)])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter numerics (the GPU proof is -m gpu)")
@@ -38,7 +38,7 @@ def _host_tree(x, w, k_groups):
 def test_one_loop_equals_per_group_chains_and_the_tree(k_groups, monkeypatch):
     persistent = _count_persistent_launches(monkeypatch)
     configs = L.linear_candidates(torch.bfloat16)
-    assert {cfg.block_k for cfg in configs} == {BLOCK_K}
+    assert {cfg.block_k for cfg in configs} == {16, 32}  # the table's BLOCK_K and wider K steps
     expected = 0
     tma = tuple(c for c in configs if c.persistent)  # 16x32 (two tiles a program at 37 rows), 32x32 split
     for width in WIDTHS:
@@ -51,10 +51,10 @@ def test_one_loop_equals_per_group_chains_and_the_tree(k_groups, monkeypatch):
             for cfg in (L.linear_config(m, n, k, torch.bfloat16), *tma):  # the table's (16x16, 32x32)
                 what = f"G={k_groups} width={width} M={m} {cfg}"
                 assert_bitwise(L.linear_forward(x, w, b, config=cfg, k_groups=k_groups), expect, what)
-                expected += cfg.persistent and width % BLOCK_K == 0
+                expected += cfg.persistent and width % cfg.block_k == 0
         for cfg in (L.linear_config(m, n, k, torch.bfloat16), tma[0]):  # the unrounded fp32 root, 37 rows
             assert_bitwise(L.partial_forward(x, w, k_groups, config=cfg), root, f"partial G={k_groups} {cfg}")
-            expected += cfg.persistent and width % BLOCK_K == 0
+            expected += cfg.persistent and width % cfg.block_k == 0
     assert persistent["calls"] == expected > 0  # the TMA kernel ran wherever groups are whole blocks
 
 
@@ -64,7 +64,7 @@ def test_negative_control_a_group_closed_one_block_late_changes_bits():
     groups of 4, 3, 3, 2 blocks (the same columns, the same tree, other chains)."""
     x, w, b = _problem(5, 4 * 48, 24, torch.float32, "cpu", seed=60)
     bounds = (0, 64, 112, 160, 192)
-    shifted = tree_sum([_chain(x[:, lo:hi], w[:, lo:hi], BLOCK_K) for lo, hi in zip(bounds, bounds[1:])])
+    shifted = tree_sum([_chain(x[:, lo:hi], w[:, lo:hi], STEP) for lo, hi in zip(bounds, bounds[1:])])
     got = L.partial_forward(x, w, 4)
     assert_bitwise(got, _host_tree(x, w, 4), "G=4")
     with pytest.raises(AssertionError, match="differ in bits"):

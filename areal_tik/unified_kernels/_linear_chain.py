@@ -8,14 +8,34 @@ import triton
 import triton.language as tl
 
 
+# K of one tensor-core instruction for 16-bit operands (wgmma / mma k16). A bf16 tl.dot over
+# a BLOCK_K-wide block is BLOCK_K / 16 such instructions chained on the accumulator in K
+# order, so the chain's steps are 16 columns wide whatever BLOCK_K is: BLOCK_K (any
+# multiple of 16) is geometry, not numerics (the H200 / H100 bits: tests/test_linear.py
+# test_gpu_block_k_is_geometry; eval/probe_block_k.py). fp32 operands ("ieee") run one FMA
+# per k on the GPU: any BLOCK_K gives their bits too.
+MMA_K = tl.constexpr(16)
+
+
 @triton.jit
 def _dot_step(a, b, acc, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # acc + a @ b for one K block: the per-element chain every kernel and config shares.
     if INTERPRET:
-        # fp64 makes each block's sum of bf16 products exact, so the result does not
-        # depend on the summation order numpy's matmul picks per block shape.
-        acc64 = tl.dot(a.to(tl.float64), b.to(tl.float64), acc.to(tl.float64), out_dtype=tl.float64)
-        return acc64.to(tl.float32)
+        # The interpreter models the MMA's chain: one step per MMA_K columns, each step's
+        # sum of products and the accumulator added in fp64 (exact for bf16 products, so
+        # numpy's summation order inside a step does not matter), rounded to fp32.
+        tl.static_assert(a.shape[1] % MMA_K == 0, "BLOCK_K must be a multiple of the MMA's K (16)")
+        a64 = a.to(tl.float64)
+        b64 = b.to(tl.float64)
+        if a.shape[1] == MMA_K:
+            acc = tl.dot(a64, b64, acc.to(tl.float64), out_dtype=tl.float64).to(tl.float32)
+        else:
+            ks = tl.arange(0, a.shape[1])
+            for step in tl.static_range(a.shape[1] // MMA_K):
+                cols = (ks >= step * MMA_K) & (ks < (step + 1) * MMA_K)
+                acc = tl.dot(tl.where(cols[None, :], a64, 0.0), b64, acc.to(tl.float64),
+                             out_dtype=tl.float64).to(tl.float32)
+        return acc
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 

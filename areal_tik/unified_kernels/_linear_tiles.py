@@ -1,16 +1,19 @@
 """The unified linear's launch geometries: tile configs, the per-row-count ladders, the
 candidates the contract proves bit-equal, and the selection (``linear.linear_config``).
 
-Geometry only: every bf16 config here shares BLOCK_K and the wgmma family, so no entry
-changes a bit (the GPU contract test in tests/test_linear.py proves each one); the
-tables are what the search (areal_tik/optimize/op_linear.py) and eval/bench_linear.py
---sweep re-tune.
+Geometry only: every bf16 config here runs the wgmma family with a BLOCK_K that is a
+multiple of its K step (16), so no entry changes a bit (``_linear_chain.MMA_K``; the GPU
+contract test in tests/test_linear.py proves each one); the tables are what the search
+(areal_tik/optimize/op_linear.py), eval/bench_linear.py --sweep and eval/probe_block_k.py
+re-tune.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 
 import torch
 import triton
@@ -89,8 +92,13 @@ _GPU_CANDIDATES = {
         (64, 16, 4, 6), (64, 16, 4, 12), (64, 32, 4, 6), (64, 32, 4, 10), (64, 64, 4, 8), (64, 256, 4, 5),
         (128, 64, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
         (128, 128, 4, 4, "P"), (128, 128, 8, 4, "P"), (128, 256, 8, 3, "P"), (128, 256, 8, 3, "PS"),
-        (128, 256, 8, 4, "PS"), (256, 128, 8, 3, "PS"), (256, 128, 8, 4, "PS"))),
-    torch.float32: tuple(_cfg(*spec, block_k=32) for spec in ((32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3))),
+        (128, 256, 8, 4, "PS"), (256, 128, 8, 3, "PS"), (256, 128, 8, 4, "PS"))) + tuple(
+        # wider K steps (the same k16 chain): decode tiles and one of each kernel at 128 / 256
+        _cfg(*spec, block_k=bk) for *spec, bk in (
+            (64, 16, 4, 10, 128), (64, 16, 4, 5, 256), (64, 32, 4, 8, 128), (64, 64, 4, 3, 256),
+            (128, 128, 4, 3, "P", 128), (128, 128, 8, 3, 32))),
+    torch.float32: tuple(_cfg(*spec, block_k=32) for spec in ((32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3)))
+    + (_cfg(64, 64, 4, 2, block_k=64),),
 }
 # Entries the search promoted, by (bucket max rows, N, K), bf16 on a 132-SM GPU (the
 # H200) only, applied before the ladder. Source: areal_tik/optimize's mechanical proposer
@@ -118,14 +126,47 @@ _TUNED_BF16 = {
 }
 
 
-def tuned(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool, sms: int) -> TileConfig | None:
-    """The promoted entry for this launch on the GPU (``_TUNED_BF16``), or None (the
-    ladder decides): other dtypes or SM counts, rows past the timed range, a shape the
-    search did not see, or a persistent entry where TMA cannot run."""
+# Wide-K entries: decode-sized launches (the first bucket) whose chain takes fewer, wider
+# K steps (BLOCK_K 128 / 256 instead of 64; the same k16 wgmma chain, so the same bits).
+# At <= 64 rows a narrow layer's time is the sequential chain's step latency, not its
+# bytes (Qwen3-0.6B o_proj: 64 programs x 32 steps of 2 KiB in 7.7 us on the H200), so
+# fewer steps is the lever the contract leaves free where a K split is not. Checked before
+# ``_TUNED_BF16`` while ``wide_k`` is on (``linear.WIDE_K``); an entry applies only where
+# BLOCK_K divides K (no masked tail). Source: eval/probe_block_k.py (bits against the
+# table's config on three input distributions, then CUDA-graph timing at 1 and 64 rows);
+# ``AREAL_TIK_LINEAR_TILES=<json>`` adds the entries such a run wrote (``load_wide_k``).
+_WIDE_K_BF16: dict[tuple, TileConfig] = {}
+
+
+def load_wide_k(path: str) -> int:
+    """Add the wide-K entries of a JSON file written by eval/probe_block_k.py
+    ({"max_rows,n,k": {TileConfig fields}}); returns how many. Refuses an entry whose
+    BLOCK_K is not a multiple of 16 or does not divide its K, or that is persistent."""
+    with open(path) as f:
+        entries = json.load(f)
+    for key, fields in entries.items():
+        max_rows, n, k = (int(v) for v in key.split(","))
+        cfg = TileConfig(**fields)
+        if cfg.block_k % 16 or k % cfg.block_k or cfg.persistent:
+            raise ValueError(f"{path}: entry {key} {cfg} is not a wide-K decode tile (BLOCK_K a multiple of "
+                             f"16 dividing K, tiled kernel)")
+        _WIDE_K_BF16[(max_rows, n, k)] = cfg
+    _select.cache_clear()
+    return len(entries)
+
+
+def tuned(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool, sms: int, wide_k: bool = True) -> TileConfig | None:
+    """The promoted entry for this launch on the GPU (``_WIDE_K_BF16`` while ``wide_k``,
+    then ``_TUNED_BF16``), or None (the ladder decides): other dtypes or SM counts, rows
+    past the timed range, a shape the search did not see, or a persistent entry where TMA
+    cannot run."""
     if dtype != torch.bfloat16 or sms != _TUNED_SMS or rows > _TUNED_MAX_ROWS:
         return None
     for max_rows, _ in _GPU_BUCKETS[dtype]:
         if max_rows is None or rows <= max_rows:
+            wide = _WIDE_K_BF16.get((max_rows, n, k)) if wide_k else None
+            if wide is not None and k % wide.block_k == 0:
+                return wide
             cfg = _TUNED_BF16.get((max_rows, n, k))
             return None if cfg is None or (cfg.persistent and not tma) else cfg
     raise AssertionError("bucket table must end with max_rows=None")
@@ -141,7 +182,8 @@ _CPU_TABLE = (
 )
 _CPU_BUCKETS = {torch.bfloat16: _CPU_TABLE, torch.float32: _CPU_TABLE}
 _CPU_FIXED = {torch.bfloat16: _cfg(16, 16, 4, 3, block_k=16), torch.float32: _cfg(16, 16, 4, 3, block_k=16)}
-_CPU_CANDIDATES = (_cfg(16, 32, 4, 3, "P", block_k=16), _cfg(32, 32, 4, 3, "PS", block_k=16))
+_CPU_CANDIDATES = (_cfg(16, 32, 4, 3, "P", block_k=16), _cfg(32, 32, 4, 3, "PS", block_k=16),
+                   _cfg(16, 16, 4, 3, block_k=32), _cfg(16, 32, 4, 3, "P", block_k=32))  # wider K steps
 _CPU_PROGRAMS = 3  # "SMs" of the interpreted persistent kernel: programs loop over tiles
 _REFERENCE_SMS = 132  # the H200's SM count: used where no GPU is present
 
@@ -183,7 +225,8 @@ def linear_candidates(dtype: torch.dtype, candidates: bool = True) -> tuple:
     else:
         table, fixed, extra = _GPU_BUCKETS, _GPU_FIXED, _GPU_CANDIDATES
     configs = [cfg for _, ladder in table[dtype] for cfg, _, _ in ladder] + [fixed[dtype]]
-    configs += list(_TUNED_BF16.values()) if dtype == torch.bfloat16 and not interpreting() else []
+    if dtype == torch.bfloat16 and not interpreting():
+        configs += list(_TUNED_BF16.values()) + list(_WIDE_K_BF16.values())
     configs += list(extra[dtype]) if candidates else []
     return tuple(dict.fromkeys(configs))
 
@@ -206,10 +249,10 @@ def row_probes(dtype: torch.dtype, max_rows: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)  # ~7 us of Python per call otherwise (launch overhead)
-def _select(rows, n, k, dtype, tma, sms, fixed_tile, interpret) -> TileConfig:
+def _select(rows, n, k, dtype, tma, sms, fixed_tile, interpret, wide_k=True) -> TileConfig:
     if fixed_tile:
         return (_CPU_FIXED if interpret else _GPU_FIXED)[dtype]
-    promoted = None if interpret else tuned(rows, n, k, dtype, tma, sms)
+    promoted = None if interpret else tuned(rows, n, k, dtype, tma, sms, wide_k)
     if promoted is not None:
         return promoted
     for max_rows, ladder in (_CPU_BUCKETS if interpret else _GPU_BUCKETS)[dtype]:
@@ -229,3 +272,7 @@ def _device_info(index: int) -> tuple[bool, int]:
     """(TMA-capable, number of SMs) of CUDA device ``index``."""
     props = torch.cuda.get_device_properties(index)
     return props.major >= 9, props.multi_processor_count
+
+
+if os.environ.get("AREAL_TIK_LINEAR_TILES"):  # an experiment's measured wide-K entries (eval/probe_block_k.py)
+    load_wide_k(os.environ["AREAL_TIK_LINEAR_TILES"])

@@ -1,24 +1,30 @@
 """Unified linear layer: ``y = x @ weight.T + bias`` with row-invariant bits.
 
 Numerics (fixed, identical for every row count): each output element accumulates in
-fp32 over K blocks 0, 1, 2, ... of a fixed BLOCK_K per dtype, always as
-``acc = tl.dot(a, b, acc)``; no split-K; the bias is added in fp32 after the loop and
-the result is rounded once to ``x.dtype``. bf16 operands go to the tensor cores as bf16
-(wgmma on Hopper); fp32 operands use ``input_precision="ieee"`` (exact FMAs, never TF32).
-The Triton interpreter's bf16 dot is wrong and numpy's fp32 matmul orders its sums by
-block shape, so there the operands and accumulator go to fp64 for each block's dot
-(exact for bf16 products), rounded back to fp32 after every block.
+fp32 over K in order, always as ``acc = tl.dot(a, b, acc)`` over K blocks; no split-K;
+the bias is added in fp32 after the loop and the result is rounded once to ``x.dtype``.
+bf16 operands go to the tensor cores as bf16 (wgmma on Hopper): a block's dot is
+BLOCK_K / 16 k16 instructions chained on the accumulator in K order, so the chain's
+steps are 16 columns wide whatever BLOCK_K (a multiple of 16) is (``_linear_chain.MMA_K``;
+measured, not assumed: tests/test_linear.py ``test_gpu_block_k_is_geometry`` and
+eval/probe_block_k.py). fp32 operands use ``input_precision="ieee"`` (one exact FMA per
+k, never TF32). The Triton interpreter's bf16 dot is wrong and numpy's fp32 matmul
+orders its sums by block shape, so there each 16-column step's dot runs in fp64 (exact
+for bf16 products) with the accumulator, rounded back to fp32 after every step.
 
 Geometry varies with the row count and the weight shape, numerics do not. Two kernels
 compute the same per-element chain: a tiled kernel (one program per output tile,
 pointer loads) and, for large M on Hopper, a persistent kernel (one program per SM
 looping over tiles, TMA descriptor loads and stores). A row bucket holds a ladder of
 configs; the first whose grid suits this N is used (``linear_config``). An element's
-bits depend only on BLOCK_K, the K-loop order and the MMA instruction family, so every
-GPU bf16 config shares BLOCK_K and is wgmma-eligible (BLOCK_M a multiple of 64, whole
-warpgroups); the GPU contract test (tests/test_linear.py, ``-m gpu``) proves every
-config, both kernels, bit-equal. ``AREAL_TIK_LINEAR_FIXED_TILE=1`` (or ``FIXED_TILE =
-True`` on this module) forces one config for every shape.
+bits depend only on the k16 chain and the MMA instruction family, so every GPU bf16
+config is wgmma-eligible (BLOCK_M a multiple of 64, whole warpgroups) with BLOCK_K a
+multiple of 16: 64 in the ladders, 128 / 256 in the wide-K decode entries
+(``_linear_tiles._WIDE_K_BF16``: fewer sequential K steps where a launch has few
+programs; ``AREAL_TIK_LINEAR_WIDE_K=0`` or ``wide_k(False)`` turns them off). The GPU
+contract test (tests/test_linear.py, ``-m gpu``) proves every config, both kernels,
+bit-equal. ``AREAL_TIK_LINEAR_FIXED_TILE=1`` (or ``FIXED_TILE = True`` on this module)
+forces one config for every shape.
 
 K-group tree (tensor-parallel row shards; ``_ktree`` has the definition): with
 ``k_groups`` G > 1 each kernel reduces K in G contiguous groups, each the chain above
@@ -49,6 +55,7 @@ if turned on globally).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -74,6 +81,21 @@ except ImportError:  # pragma: no cover - older triton: the tiled kernel serves 
 
 # When True, one config per dtype serves every row count (see module docstring).
 FIXED_TILE = _common.env_switch("AREAL_TIK_LINEAR_FIXED_TILE", False)
+# When True, decode-sized launches take the wide-K entries (see module docstring).
+WIDE_K = _common.env_switch("AREAL_TIK_LINEAR_WIDE_K", True)
+
+
+@contextlib.contextmanager
+def wide_k(on: bool):
+    """``WIDE_K`` set inside the block (a benchmark's side-by-side runs; the same bits)."""
+    global WIDE_K
+    saved, WIDE_K = WIDE_K, on
+    _PLANS.clear()
+    try:
+        yield
+    finally:
+        WIDE_K = saved
+        _PLANS.clear()
 
 
 def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,
@@ -91,7 +113,9 @@ def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | Non
     if sms is None:
         cuda = not interpreting() and torch.cuda.is_available()
         sms = _device_info(torch.cuda.current_device())[1] if cuda else _REFERENCE_SMS
-    return tree_tile(_select(rows, n, k, dtype, tma, sms, FIXED_TILE, interpreting()), k_groups)
+    # wide-K entries serve the plain chain only (their BLOCK_K need not divide a group's K)
+    return tree_tile(_select(rows, n, k, dtype, tma, sms, FIXED_TILE, interpreting(), WIDE_K and k_groups == 1),
+                     k_groups)
 
 
 def tma_compatible(x2d: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -320,7 +344,7 @@ _MAX_PLANS = 4096  # row counts vary per step: bounded, cleared when full
 
 def _plan_key(x2d, weight, out, has_bias: bool, k_groups: int) -> tuple:
     return (x2d.shape, x2d.stride(), weight.shape, weight.stride(), out.stride(), x2d.dtype, out.dtype,
-            x2d.get_device(), x2d.data_ptr() % 16, weight.data_ptr() % 16, has_bias, k_groups, FIXED_TILE)
+            x2d.get_device(), x2d.data_ptr() % 16, weight.data_ptr() % 16, has_bias, k_groups, FIXED_TILE, WIDE_K)
 
 
 def _plan(x2d, weight, out, has_bias: bool, k_groups: int) -> _Plan:
@@ -367,8 +391,8 @@ def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                    config: TileConfig | None = None, *, k_groups: int = 1) -> torch.Tensor:
     """Launch the forward kernel on validated 2-D ``x2d [M, K]``; returns ``[M, N]``.
 
-    ``config`` overrides the table (benchmarks and tests only: a different BLOCK_K
-    changes the numerics). A persistent config whose operands TMA cannot read runs the
+    ``config`` overrides the table (benchmarks and tests only; any config with wgmma
+    shapes and a BLOCK_K that is a multiple of 16 gives the table's bits). A persistent config whose operands TMA cannot read runs the
     tiled kernel with the same tile shape. ``k_groups``: the K-group tree's G (validated).
     """
     out = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype, device=x2d.device)
