@@ -185,27 +185,52 @@ def probe_time(quick: bool, rep_ms: int) -> tuple[list[dict], dict]:
     return rows, promoted
 
 
-def probe_logprob_time(rep_ms: int) -> list[dict]:
-    rows = []
+LOGPROB_PIPELINES = ((64, 4, 4), (64, 6, 4), (128, 3, 4), (128, 4, 4), (256, 2, 4), (128, 3, 8))  # (BLOCK_K, stages, warps)
+
+
+def probe_logprob_time(rep_ms: int) -> tuple[list[dict], dict]:
+    """The sampler's call (logits written, no entropy) at 1 and 64 rows per pipeline, each
+    first checked bit-equal to the default (every output, normal and wide inputs); the same
+    promotion rule as the linears'. Returns (rows, the promoted override or {})."""
+    rows, timed = [], []
     V, H = 151936, 1024
     base = LP.logprob_config(V, H, torch.bfloat16)
-    for t in (1, 64):
-        x, w = dist_inputs("normal", t, H, V, seed=1)
-        tgt = torch.randint(0, V, (t,), device=DEVICE)
-        line = []
-        for bk, stages, warps in ((64, 4, 4), (64, 6, 4), (128, 3, 4), (128, 4, 4), (256, 2, 4), (128, 3, 8)):
-            cfg = dataclasses.replace(base, block_k=bk, num_stages=stages, num_warps=warps)
-            fn = lambda c=cfg: LP._forward(x, w, tgt, 1.0, False, True, c)  # noqa: E731  (the sampler's call)
-            try:
-                fn()
-            except OutOfResources:
-                continue
-            us = sorted(graph_times([fn], 200.0, rep_ms))[2]  # the weight (311 MB) is past L2 anyway
+    inputs = {t: dist_inputs("normal", t, H, V, seed=1) for t in (1, 64)}
+    tgts = {t: torch.randint(0, V, (t,), device=DEVICE) for t in (1, 64)}
+    for bk, stages, warps in LOGPROB_PIPELINES:
+        cfg = dataclasses.replace(base, block_k=bk, num_stages=stages, num_warps=warps)
+        try:
+            for t, kind in itertools.product((1, 64), ("normal", "wide")):
+                x, w = dist_inputs(kind, t, H, V, seed=3 + t)
+                want, got = LP._forward(x, w, tgts[t], 1.0, True, True, base), LP._forward(x, w, tgts[t], 1.0, True, True, cfg)
+                if not all(torch.equal(bits(a), bits(b)) for a, b in zip(want, got)):
+                    raise ValueError(f"logprob bk{bk}/s{stages}/w{warps}: bits differ ({kind}, T={t})")
+            us = {}
+            for t in (1, 64):
+                x, w = inputs[t]
+                fn = lambda c=cfg, x=x, w=w, t=t: LP._forward(x, w, tgts[t], 1.0, False, True, c)  # noqa: E731
+                us[t] = sorted(graph_times([fn], 200.0, rep_ms))[2]  # the weight (311 MB) is past L2 anyway
+        except OutOfResources:
+            continue
+        except ValueError as err:
+            print(f"  DIFF {err}")
+            rows.append({"probe": "logprob_time", "K": H, "N": V, "block_k": bk, "stages": stages, "warps": warps,
+                         "equal": 0})
+            continue
+        timed.append(((bk, stages, warps), us))
+        for t in (1, 64):
             rows.append({"probe": "logprob_time", "K": H, "N": V, "M": t, "block_k": bk, "stages": stages,
-                         "warps": warps, "us": us, "tbps": V * H * 2 / us * 1e-6})
-            line.append(f"bk{bk}/s{stages}/w{warps} {us:.1f} us")
-        print(f"  logprob T={t}: " + ", ".join(line))
-    return rows
+                         "warps": warps, "equal": 1, "us": us[t], "tbps": V * H * 2 / us[t] * 1e-6})
+        print(f"  logprob bk{bk}/s{stages}/w{warps}: T=1 {us[1]:.1f} us, T=64 {us[64]:.1f} us "
+              f"({V * H * 2 / us[1] * 1e-6:.2f} / {V * H * 2 / us[64] * 1e-6:.2f} TB/s of weight)")
+    ref = next(us for key, us in timed if key == (base.block_k, base.num_stages, base.num_warps))
+    best_key, best = min(timed, key=lambda kv: kv[1][1] + kv[1][64])
+    gain = (best[1] + best[64]) / (ref[1] + ref[64])
+    if gain <= PROMOTE_GAIN and all(best[t] <= PROMOTE_CAP * ref[t] for t in (1, 64)):
+        print(f"  logprob: promoted bk{best_key[0]}/s{best_key[1]}/w{best_key[2]} ({gain:.2f}x the default's time)")
+        return rows, dict(zip(("block_k", "num_stages", "num_warps"), best_key))
+    print(f"  logprob: kept the default (best {gain:.2f}x)")
+    return rows, {}
 
 
 def main(argv=None) -> None:
@@ -227,11 +252,13 @@ def main(argv=None) -> None:
     print("\n".join(summary))
     if not args.skip_time:
         timed, promoted = probe_time(args.quick, args.rep_ms)
-        rows += timed + probe_logprob_time(args.rep_ms)
-        summary.append(f"wide-K entries promoted: {len(promoted)} ({', '.join(promoted) or 'none'})")
+        lp_rows, lp_promoted = probe_logprob_time(args.rep_ms)
+        rows += timed + lp_rows
+        summary.append(f"wide-K entries promoted: {len(promoted)} ({', '.join(promoted) or 'none'}); "
+                       f"logprob pipeline: {lp_promoted or 'default kept'}")
         if args.promote:
             with open(args.promote, "w") as f:
-                json.dump(promoted, f, indent=1, sort_keys=True)
+                json.dump({"linear": promoted, "logprob": lp_promoted}, f, indent=1, sort_keys=True)
             summary.append(f"wrote {args.promote} (AREAL_TIK_LINEAR_TILES reads it)")
     rows = [dict(info, **r) for r in rows]
     print_summary(summary, [write_csv(rows, args.out, f"probe_block_k_{info['commit']}.csv")])

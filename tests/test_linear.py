@@ -373,7 +373,7 @@ def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_p
     without = {rows: L.linear_config(rows, n, k, bf16, sms=132) for rows in (1, 64, 65)}
     wide = T._cfg(64, 16, 4, 5, block_k=256)
     path = tmp_path / "wide.json"
-    path.write_text(json.dumps({f"64,{n},{k}": dataclasses.asdict(wide)}))
+    path.write_text(json.dumps({"linear": {f"64,{n},{k}": dataclasses.asdict(wide)}}))
     assert T.load_wide_k(str(path)) == 1
     try:
         assert L.linear_config(1, n, k, bf16, sms=132) == L.linear_config(64, n, k, bf16, sms=132) == wide
@@ -386,7 +386,7 @@ def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_p
         monkeypatch.setattr(L, "WIDE_K", False)
         assert L.linear_config(1, n, k, bf16, sms=132) == without[1]
         for bad in (dict(block_k=96), dict(block_k=4096), dict(persistent=True)):
-            path.write_text(json.dumps({f"64,{n},{k}": dataclasses.asdict(dataclasses.replace(wide, **bad))}))
+            path.write_text(json.dumps({"linear": {f"64,{n},{k}": dataclasses.asdict(dataclasses.replace(wide, **bad))}}))
             with pytest.raises(ValueError, match="not a wide-K decode tile"):
                 T.load_wide_k(str(path))
     finally:

@@ -140,10 +140,10 @@ _WIDE_K_BF16: dict[tuple, TileConfig] = {}
 
 def load_wide_k(path: str) -> int:
     """Add the wide-K entries of a JSON file written by eval/probe_block_k.py
-    ({"max_rows,n,k": {TileConfig fields}}); returns how many. Refuses an entry whose
-    BLOCK_K is not a multiple of 16 or does not divide its K, or that is persistent."""
+    ({"linear": {"max_rows,n,k": {TileConfig fields}}, ...}); returns how many. Refuses an
+    entry whose BLOCK_K is not a multiple of 16 or does not divide its K, or that is persistent."""
     with open(path) as f:
-        entries = json.load(f)
+        entries = json.load(f).get("linear", {})
     for key, fields in entries.items():
         max_rows, n, k = (int(v) for v in key.split(","))
         cfg = TileConfig(**fields)

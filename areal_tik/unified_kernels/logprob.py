@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 
 import torch
 import triton
@@ -240,8 +242,29 @@ def logprob_config(V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
     # tiles; SPLIT_V = 512 gives ~300 programs for V = 151936 at T = 1; 4 warps and 4
     # stages use 96 KiB of shared memory and ~190 registers (sm_90, no spills), so two
     # programs share an SM; GROUP_T = 16 keeps a wave's hidden rows and weight slices
-    # in L2. eval/bench_logprob.py --sweep times the alternatives.
-    return LogprobConfig(64, 128, 64, 512, 16, 4, 4)
+    # in L2. eval/bench_logprob.py --sweep times the alternatives. BLOCK_K, stages and warps
+    # are geometry (a bf16 dot is a chain of k16 MMA steps, as in linear.py; BLOCK_T, BLOCK_V
+    # and SPLIT_V set the merge order and stay): ``PIPELINE`` overrides them.
+    return dataclasses.replace(LogprobConfig(64, 128, 64, 512, 16, 4, 4), **PIPELINE)
+
+
+# bf16 GPU overrides of the forward's BLOCK_K / num_stages / num_warps: the "logprob" entry of
+# the JSON eval/probe_block_k.py writes (AREAL_TIK_LINEAR_TILES), after its bit check.
+PIPELINE: dict = {}
+
+
+def load_pipeline(fields: dict) -> None:
+    """Set ``PIPELINE``; only BLOCK_K (a multiple of 16), num_stages and num_warps."""
+    if set(fields) - {"block_k", "num_stages", "num_warps"} or fields.get("block_k", 16) % 16:
+        raise ValueError(f"logprob pipeline override must set block_k (a multiple of 16), num_stages or "
+                         f"num_warps only, got {fields}")
+    PIPELINE.clear()
+    PIPELINE.update(fields)
+
+
+if os.environ.get("AREAL_TIK_LINEAR_TILES"):  # an experiment's measured entries (eval/probe_block_k.py)
+    with open(os.environ["AREAL_TIK_LINEAR_TILES"]) as _f:
+        load_pipeline(json.load(_f).get("logprob", {}))
 
 
 _COMBINE_BLOCK = 128
