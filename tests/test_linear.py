@@ -9,6 +9,7 @@ import importlib
 import itertools
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -360,6 +361,19 @@ def test_promoted_entries_take_precedence_only_where_the_search_timed_them(monke
     assert L.linear_config(64, 1024, 2048, torch.float32, sms=132) == L.linear_config(64, 1024, 2048, torch.float32, sms=114)
 
 
+def test_wide_k_table_is_what_the_probe_promoted():
+    """``_WIDE_K_BF16`` holds exactly the entries the GPU run named in ``WIDE_K_SOURCE``
+    promoted (bits checked, timed), no hand edits; each a tiled decode tile whose BLOCK_K is
+    a multiple of 16 dividing its K."""
+    T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
+    promoted = json.loads((Path(__file__).resolve().parents[1] / T.WIDE_K_SOURCE).read_text())["linear"]
+    table = {",".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in T._WIDE_K_BF16.items()}
+    assert table == promoted
+    for (max_rows, n, k), cfg in T._WIDE_K_BF16.items():
+        assert max_rows == 64 and not cfg.persistent and cfg.block_k % 16 == 0 and k % cfg.block_k == 0
+        assert cfg.block_m == 64 and cfg.num_warps == 4  # wgmma tiles, as the ladders'
+
+
 def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_path):
     """``_WIDE_K_BF16``: its (bucket, N, K) on a 132-SM GPU while ``WIDE_K`` is on and the
     launch is the plain chain (no K groups); the ladder / search entries otherwise. Entries
@@ -391,6 +405,25 @@ def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_p
                 T.load_wide_k(str(path))
     finally:
         T._select.cache_clear()
+
+
+def test_partial_outputs_fit_shared_memory_with_every_persistent_config():
+    """fp32 partials (``linear_partial``) of bf16 operands keep an fp32 half tile for the
+    epilogue beside the pipeline: every persistent GPU config then drops stages (geometry)
+    until operands + epilogue fit 227 KiB; 128x256/s4 (262,176 bytes on the H100: out of
+    resources before) runs at s3. bf16 outputs keep the table's stages."""
+    T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
+    bf16 = torch.bfloat16
+    gpu = [cfg for _, ladder in T._GPU_BUCKETS[bf16] for cfg, _, _ in ladder] + list(T._GPU_CANDIDATES[bf16])
+    configs = [cfg for cfg in gpu + list(T._TUNED_BF16.values()) if cfg.persistent]
+    assert T._cfg(128, 256, 8, 4, "PS") in configs
+    for cfg in configs:
+        stages = L._partial_stages(cfg, 2, 4)
+        need = stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 + cfg.block_m * cfg.block_n // 2 * 4
+        assert 2 <= stages <= cfg.num_stages and need <= L._SMEM_BYTES, cfg
+        assert stages == cfg.num_stages or (stages + 1) * (cfg.block_m + cfg.block_n) * cfg.block_k * 2 + \
+            cfg.block_m * cfg.block_n // 2 * 4 > L._SMEM_BYTES, cfg  # as many as fit
+    assert L._partial_stages(T._cfg(128, 256, 8, 4, "PS"), 2, 4) == 3
 
 
 def test_launch_metadata_names_the_launch():
@@ -656,8 +689,7 @@ def test_gpu_block_k_is_geometry(m):
     unrounded accumulator, not only its bf16 rounding), tiled and persistent kernels, on
     normal inputs and on inputs built to expose any other step width."""
     k, n = 3072, 1024
-    base_cfg = L.linear_config(m, n, k, torch.bfloat16)
-    assert base_cfg.block_k == 64
+    base_cfg = L._cfg(64, 16 if m <= 64 else 64, 4, 4)  # BLOCK_K 64, the ladders'
     for kind in ("normal", "wide", "cancel"):
         if kind == "normal":
             x, w, _ = _gpu_problem(m, k, n, torch.bfloat16, seed=31, bias=False)

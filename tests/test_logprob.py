@@ -2,6 +2,7 @@
 
 CPU runs use the Triton interpreter with tiny shapes; ``-m gpu`` runs real vocabularies.
 """
+import dataclasses
 import math
 
 import pytest
@@ -377,3 +378,21 @@ def test_gpu_peak_memory_is_o_t_times_chunk():
     grads = h.grad.numel() * 2 + w.grad.numel() * 2
     bwd_growth = torch.cuda.max_memory_allocated() - base - grads
     assert bwd_growth < full_fp32 / 4, (bwd_growth, full_fp32)  # measured chunks: ~0.8 GB
+
+
+def test_pipeline_override_changes_geometry_only(monkeypatch):
+    """``PIPELINE`` (a measured override: eval/probe_block_k.py) sets BLOCK_K and stages of
+    the bf16 GPU forward and nothing else; num_warps, which set the softmax reductions'
+    layout (other bits on the H100), BLOCK_V or a BLOCK_K that is not a multiple of 16 are
+    refused."""
+    monkeypatch.setattr(logprob, "interpreting", lambda: False)
+    monkeypatch.setattr(logprob, "PIPELINE", {})
+    base = logprob.logprob_config(151936, 1024, torch.bfloat16)
+    logprob.load_pipeline({"block_k": 128, "num_stages": 3})
+    got = logprob.logprob_config(151936, 1024, torch.bfloat16)
+    assert (got.block_k, got.num_stages) == (128, 3)
+    assert dataclasses.replace(got, block_k=base.block_k, num_stages=base.num_stages) == base
+    assert logprob.logprob_config(1000, 32, torch.float32).block_k == 32  # fp32 keeps its own
+    for bad in ({"num_warps": 8}, {"block_v": 256}, {"block_k": 72}):
+        with pytest.raises(ValueError, match="block_k"):
+            logprob.load_pipeline(bad)

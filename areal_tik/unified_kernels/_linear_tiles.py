@@ -132,10 +132,21 @@ _TUNED_BF16 = {
 # bytes (Qwen3-0.6B o_proj: 64 programs x 32 steps of 2 KiB in 7.7 us on the H200), so
 # fewer steps is the lever the contract leaves free where a K split is not. Checked before
 # ``_TUNED_BF16`` while ``wide_k`` is on (``linear.WIDE_K``); an entry applies only where
-# BLOCK_K divides K (no masked tail). Source: eval/probe_block_k.py (bits against the
-# table's config on three input distributions, then CUDA-graph timing at 1 and 64 rows);
-# ``AREAL_TIK_LINEAR_TILES=<json>`` adds the entries such a run wrote (``load_wide_k``).
-_WIDE_K_BF16: dict[tuple, TileConfig] = {}
+# BLOCK_K divides K (no masked tail). Source: eval/probe_block_k.py at 85e8ca9 on an H100
+# (132 SMs, as the H200; eval/results/2026-12-07_h100_85e8ca9/: linear_tiles_promoted.json):
+# each candidate bit-equal to the table's fp32 chain at 1 and 64 rows on normal, wide-exponent
+# and cancelling inputs, then promoted by the rule fixed before timing (1 + 64 rows <= 0.97x
+# the table's, neither row count > 1.02x): o / down of Qwen3-0.6B, Qwen3-1.7B and
+# Llama-3.2-1B at 0.78-0.93x the table's time (Qwen3-1.7B down 18.0 -> 14.6 us at 1 row),
+# Qwen3-1.7B qkv / gate_up and Llama qkv at 0.95-0.97x; Qwen3-0.6B qkv / gate_up and Llama
+# gate_up kept the ladder. ``AREAL_TIK_LINEAR_TILES=<json>`` adds a run's entries (``load_wide_k``).
+WIDE_K_SOURCE = "eval/results/2026-12-07_h100_85e8ca9/linear_tiles_promoted.json"
+_WIDE_K_BF16: dict[tuple, TileConfig] = {
+    (64, 1024, 2048): _cfg(64, 16, 4, 5, block_k=256), (64, 1024, 3072): _cfg(64, 16, 4, 5, block_k=256),
+    (64, 2048, 2048): _cfg(64, 16, 4, 5, block_k=128), (64, 2048, 6144): _cfg(64, 16, 4, 5, block_k=256),
+    (64, 2048, 8192): _cfg(64, 16, 4, 10, block_k=128), (64, 3072, 2048): _cfg(64, 32, 4, 8, block_k=128),
+    (64, 4096, 2048): _cfg(64, 32, 4, 8, block_k=128), (64, 12288, 2048): _cfg(64, 64, 4, 3, block_k=128),
+}
 
 
 def load_wide_k(path: str) -> int:

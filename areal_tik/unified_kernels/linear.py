@@ -309,6 +309,21 @@ def _prefetch_rows_ok(weight, K: int) -> bool:
             and (K * size) % 16 == 0)
 
 
+# Shared memory one program may take on Hopper (227 KiB), less a margin for barriers.
+_SMEM_BYTES = 232448 - 1024
+
+
+def _partial_stages(cfg: TileConfig, in_size: int, out_size: int) -> int:
+    """Pipeline stages of a persistent launch with a wider (fp32 partial) output: its
+    epilogue keeps a BLOCK_M x BLOCK_N / 2 fp32 tile in shared memory beside the stages'
+    operand tiles, more than the bf16 tile the table's configs were sized for (128x256/s4:
+    262,176 bytes, over the limit). Stages are geometry only: drop them until both fit."""
+    stages, epilogue = cfg.num_stages, cfg.block_m * (cfg.block_n // 2) * out_size
+    while stages > 2 and stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_size + epilogue > _SMEM_BYTES:
+        stages -= 1
+    return stages
+
+
 def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_groups: int) -> _Plan:
     """The persistent kernel runs where TMA can read the operands and, with several K
     groups, no TMA box straddles two groups ((K / G) % BLOCK_K == 0); otherwise the tiled
@@ -326,6 +341,8 @@ def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_gr
         # An fp32 output (partials) of bf16 operands stores half tiles: the epilogue's shared
         # memory is then that of a whole bf16 tile, which every table config fits.
         split = cfg.split_epilogue or out.element_size() > x2d.element_size()
+        if out.element_size() > x2d.element_size():
+            options["num_stages"] = _partial_stages(cfg, x2d.element_size(), out.element_size())
         return _Plan(True, (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),), (M, N, K),
                      dict(options, NUM_PROGRAMS=sms, SPLIT_EPILOGUE=split),
                      ((bm, bk), (bn, bk), (bm, bn // 2 if split else bn)))

@@ -242,22 +242,25 @@ def logprob_config(V: int, H: int, dtype: torch.dtype) -> LogprobConfig:
     # tiles; SPLIT_V = 512 gives ~300 programs for V = 151936 at T = 1; 4 warps and 4
     # stages use 96 KiB of shared memory and ~190 registers (sm_90, no spills), so two
     # programs share an SM; GROUP_T = 16 keeps a wave's hidden rows and weight slices
-    # in L2. eval/bench_logprob.py --sweep times the alternatives. BLOCK_K, stages and warps
-    # are geometry (a bf16 dot is a chain of k16 MMA steps, as in linear.py; BLOCK_T, BLOCK_V
-    # and SPLIT_V set the merge order and stay): ``PIPELINE`` overrides them.
+    # in L2. eval/bench_logprob.py --sweep times the alternatives. BLOCK_K and stages are
+    # geometry (a bf16 dot is a chain of k16 MMA steps, as in linear.py): ``PIPELINE``
+    # overrides them. BLOCK_T, BLOCK_V and SPLIT_V set the merge order; num_warps sets the
+    # layout of the softmax's row reductions: not geometry (on the H100 at 85e8ca9, 8 warps
+    # gave other bits at T = 1: eval/results/2026-12-07_h100_85e8ca9/probe_block_k.log;
+    # BLOCK_K 32 / 128 / 256 at 4 warps gave the same bits; none was faster, so 64 stays).
     return dataclasses.replace(LogprobConfig(64, 128, 64, 512, 16, 4, 4), **PIPELINE)
 
 
-# bf16 GPU overrides of the forward's BLOCK_K / num_stages / num_warps: the "logprob" entry of
-# the JSON eval/probe_block_k.py writes (AREAL_TIK_LINEAR_TILES), after its bit check.
+# bf16 GPU overrides of the forward's BLOCK_K / num_stages: the "logprob" entry of the JSON
+# eval/probe_block_k.py writes (AREAL_TIK_LINEAR_TILES), after its bit check.
 PIPELINE: dict = {}
 
 
 def load_pipeline(fields: dict) -> None:
-    """Set ``PIPELINE``; only BLOCK_K (a multiple of 16), num_stages and num_warps."""
-    if set(fields) - {"block_k", "num_stages", "num_warps"} or fields.get("block_k", 16) % 16:
-        raise ValueError(f"logprob pipeline override must set block_k (a multiple of 16), num_stages or "
-                         f"num_warps only, got {fields}")
+    """Set ``PIPELINE``; only BLOCK_K (a multiple of 16) and num_stages (geometry)."""
+    if set(fields) - {"block_k", "num_stages"} or fields.get("block_k", 16) % 16:
+        raise ValueError(f"logprob pipeline override must set block_k (a multiple of 16) or num_stages "
+                         f"only, got {fields}")
     PIPELINE.clear()
     PIPELINE.update(fields)
 
