@@ -682,6 +682,21 @@ def _adversarial(m, k, n, kind, seed):
 
 
 @pytest.mark.gpu
+def test_gpu_fp32_partials_run_every_persistent_config():
+    """fp32 partials at persistent row counts: the table's promoted 128x256/s4 split-epilogue
+    tile (out of shared memory before ``_partial_stages``) and every persistent candidate
+    launch, and each partial rounded to bf16 is the linear's output without bias."""
+    k, n, m = 2048, 1024, 2048
+    x, w, _ = _gpu_problem(m, k, n, torch.bfloat16, seed=33, bias=False)
+    table = L.linear_config(m, n, k, torch.bfloat16)
+    assert table.persistent and table.num_stages * (table.block_m + table.block_n) * 128 + \
+        table.block_m * table.block_n * 2 > L._SMEM_BYTES  # the case that did not fit
+    expect = L.linear_forward(x, w, None)
+    for cfg in [table] + [c for c in L.linear_candidates(torch.bfloat16) if c.persistent]:
+        assert_bitwise(L.partial_forward(x, w, 1, cfg).to(torch.bfloat16), expect, f"partial {cfg}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64, 300])
 def test_gpu_block_k_is_geometry(m):
     """The claim the wide-K decode entries rest on: a bf16 dot is a chain of k16 wgmma steps,
