@@ -7,9 +7,9 @@ kernels of 3-6 us each, where one q|k|v GEMM takes 5.7 us and one gate|up GEMM 6
 eager prefill chunk is bound by.
 
 Why the bits do not move: an output element of the unified linear is the fp32 chain of
-its row of x and its column of W over BLOCK_K blocks from k = 0, rounded once; the chain
-does not depend on N, on which tile the column falls in, or on the tile shape (every
-config shares BLOCK_K: ``unified_kernels/_linear_tiles.py``, proven on the GPU by
+its row of x and its column of W in k16 MMA steps from k = 0, rounded once; the chain
+does not depend on N, on which tile the column falls in, or on the tile shape, BLOCK_K
+included (``unified_kernels/_linear_tiles.py``, proven on the GPU by
 ``tests/test_linear.py``). So column n of ``x @ [Wq; Wk; Wv]^T`` has the bits of the
 same column of ``x @ Wq^T`` (or Wk, Wv): the fused rollout and the separate training
 projections agree bit for bit, which every engine-vs-training test checks.

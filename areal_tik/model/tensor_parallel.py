@@ -3,7 +3,7 @@
 A rank r of t holds (``shard_model``, applied to the full model every rank loaded):
 - column-parallel: q/k/v and gate/up keep their output rows of the rank's heads / MLP
   columns (r-th of t contiguous slices). A linear's output column depends on its weight
-  row and the input row alone (fixed BLOCK_K, whatever the tile), so these columns are
+  row and the input row alone (the k16 chain, whatever the tile), so these columns are
   bitwise the TP = 1 columns; attention and the KV cache then run on the local heads.
 - row-parallel: o_proj and down_proj keep the r-th K slice of their weight (K/t columns
   = G/t whole K groups when t divides G, the model's ``k_groups``), i.e. one subtree of

@@ -4,8 +4,8 @@ Config: {group key: TileConfig fields}, where a group is one weight shape in one
 bucket of ``linear._GPU_BUCKETS`` (key "b<max_rows>:<N>x<K>", "binf" for the last
 bucket); groups without an entry use the kernel's own ``linear_config``. The root config
 is {} (the kernel's table as it stands). A knob move sets one group to another geometry
-from ``linear.linear_candidates`` (BLOCK_K any multiple of 16: the same k16 chain); the contract checks, not the variant
-list, decide whether its bits are the root's.
+from ``linear.linear_candidates`` (BLOCK_K any multiple of 16: the same k16 chain); the
+contract checks, not the variant list, decide whether its bits are the root's.
 """
 from __future__ import annotations
 

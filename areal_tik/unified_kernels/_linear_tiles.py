@@ -47,7 +47,8 @@ def _rung(bm, bn, warps, stages, kind="", *, block_k=64, min_programs=128, per_s
 
 # Buckets: ((max_rows, ladder), ...), the last with max_rows None. The first rung of the
 # ladder that fits the grid at the bucket's max rows (actual rows in the last bucket) and
-# this N is used, else the last rung. BLOCK_K is fixed per dtype (it sets the numerics).
+# this N is used, else the last rung. The ladders keep BLOCK_K 64 (bf16) / 32 (fp32); any
+# multiple of 16 gives the same bits (the k16 chain: _linear_chain.MMA_K).
 # bf16 on the H200 (132 SMs), from the first sweep (eager timing; us):
 #  <= 256 rows stream the weight: the time falls with the weight bytes in flight,
 #    #programs x BLOCK_N x BLOCK_K x (stages - 1): o (N=1024) M=1 64x16/s6 9.8, 64x32/s4
@@ -84,7 +85,7 @@ _GPU_BUCKETS = {
     torch.float32: ((64, (_rung(64, 32, 4, 3, block_k=32),)), (None, (_rung(64, 64, 4, 3, block_k=32),))),
 }
 _GPU_FIXED = {torch.bfloat16: _cfg(64, 128, 4, 4), torch.float32: _cfg(64, 64, 4, 3, block_k=32)}
-# Further geometries with the same BLOCK_K: the GPU contract test proves them bit-equal
+# Further geometries (BLOCK_K 64 and wider / narrower k16 multiples): the GPU contract test proves them bit-equal
 # to the table above and eval/bench_linear.py --sweep times them, so re-tuning the
 # table is a measured, invariance-safe edit.
 _GPU_CANDIDATES = {
