@@ -44,6 +44,9 @@ SWEEP_TILES = (  # (block_t, block_v, block_k, split_v, group_t, num_warps, num_
     (64, 128, 64, 512, 16, 4, 4), (64, 128, 64, 256, 16, 4, 4), (64, 128, 64, 1024, 16, 4, 4),
     (64, 128, 64, 512, 8, 4, 3), (64, 256, 64, 512, 16, 8, 3), (128, 128, 64, 512, 8, 8, 3),
     (128, 128, 64, 512, 8, 8, 4), (128, 64, 64, 512, 8, 4, 3), (64, 64, 64, 512, 16, 4, 4),
+    # fewer vocabulary splits: V = 151936 in one wave of two programs per SM (640: 238 splits,
+    # 768: 198) or one per SM (1152: 132); other numerics (the split merge order), timing only
+    (64, 128, 64, 640, 16, 4, 4), (64, 128, 64, 768, 16, 4, 4), (64, 128, 64, 1152, 16, 4, 4),
 )
 
 
@@ -132,17 +135,20 @@ def bench_case(model, V, H, T, rep_ms, info) -> list[dict]:
     return rows
 
 
-def sweep(V, H, tokens, rep_ms, info) -> list[dict]:
-    """Forward time of each candidate schedule (the kernels only, via the private launcher)."""
+def sweep(V, H, tokens, rep_ms, info, sampler=False) -> list[dict]:
+    """Forward time of each candidate schedule (the kernels only, via the private launcher):
+    the training call (targets, entropy) or, with ``sampler``, the decode sampler's (logits
+    written, no targets, no entropy)."""
     rows = []
     for T in tokens:
         hidden, weight, targets, _, _ = inputs(T, V, H)
         results = {}
         for cfg in SWEEP_TILES:
             tiles = L.LogprobConfig(*cfg)
+            call = ((lambda: L._forward(hidden, weight, None, TEMPERATURE, False, True, tiles)) if sampler else
+                    (lambda: L._forward(hidden, weight, targets, TEMPERATURE, True, False, tiles)))
             try:
-                results[cfg] = measure(lambda: L._forward(hidden, weight, targets, TEMPERATURE, True, False, tiles),
-                                       2.0 * T * V * H, rep_ms)
+                results[cfg] = measure(call, 2.0 * T * V * H, rep_ms)
             except OutOfResources as err:
                 print(f"sweep {cfg}: {err}", flush=True)
                 continue
@@ -188,6 +194,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="small subset, < 60 s")
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile schedules")
     parser.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per case")
+    parser.add_argument("--sweep-only", action="store_true", help="only the sweep (no side-by-side cases)")
+    parser.add_argument("--sweep-hidden", type=int, default=2048, help="the sweep's hidden size (V = 151936)")
+    parser.add_argument("--sweep-sampler", action="store_true", help="sweep the decode sampler's call")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_logprob needs a CUDA GPU")
@@ -196,13 +205,14 @@ def main(argv=None) -> None:
           f"temperature {TEMPERATURE}  default tiles {_name(L.logprob_config(151936, 1024, torch.bfloat16))}")
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if args.quick else (SHAPES, TOKENS)
     rows = []
-    for model, V, H in shapes:
+    for model, V, H in () if args.sweep_only else shapes:
         for T in tokens:
             rows += bench_case(model, V, H, T, args.rep_ms, info)
-    summarize(rows)
-    if args.sweep:
-        rows += sweep(151936, 2048, (1, 64, 4096) if args.quick else (1, 64, 1024, 16384),
-                      max(10, args.rep_ms // 2), info)
+    if rows:
+        summarize(rows)
+    if args.sweep or args.sweep_only:
+        rows += sweep(151936, args.sweep_hidden, (1, 64, 4096) if args.quick else (1, 64, 1024, 16384),
+                      max(10, args.rep_ms // 2), info, sampler=args.sweep_sampler)
     print(f"wrote {write_csv(rows, args.out, 'bench_logprob.csv')} ({len(rows)} rows) in {time.time() - start:.0f} s")
 
 
