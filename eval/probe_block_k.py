@@ -142,9 +142,18 @@ def same_bits(cfg, table_cfgs, k, n) -> bool:
 PROMOTE_GAIN, PROMOTE_CAP = 0.97, 1.02
 
 
+# The recipes' other models (recipes/README.md), beyond eval/bench_linear.py's three. SmolLM2-135M's
+# K = 576 takes no BLOCK_K above 64 (no masked tail), so only its down_proj (K = 1536) is a candidate.
+EXTRA_SHAPES = (
+    ("qwen2.5-1.5b", "qkv", 1536, 1536 + 2 * 256), ("qwen2.5-1.5b", "o", 1536, 1536),
+    ("qwen2.5-1.5b", "gate_up", 1536, 2 * 8960), ("qwen2.5-1.5b", "down", 8960, 1536),
+    ("smollm2-135m", "down", 1536, 576),
+)
+
+
 def probe_time(quick: bool, rep_ms: int) -> tuple[list[dict], dict]:
     rows, promoted = [], {}
-    shapes = [s for s in SHAPES if s[1] in DECODE_LAYERS]
+    shapes = [s for s in SHAPES + EXTRA_SHAPES if s[1] in DECODE_LAYERS]
     if quick:
         shapes = [s for s in shapes if s[0] == "qwen3-0.6b"]
     cublas = lambda x, w: (lambda: torch.nn.functional.linear(x, w))  # noqa: E731
