@@ -339,7 +339,8 @@ def _make_plan(x2d, weight, out, has_bias: bool, config: TileConfig | None, k_gr
     if cfg.persistent and tma and (k_groups == 1 or (K // k_groups) % bk == 0):
         sms = _CPU_PROGRAMS if interpreting() else _device_info(x2d.device.index or 0)[1]
         # An fp32 output (partials) of bf16 operands stores half tiles: the epilogue's shared
-        # memory is then that of a whole bf16 tile, which every table config fits.
+        # memory is then that of a whole bf16 tile, which not every config fits beside its
+        # stages (_partial_stages drops some: geometry only).
         split = cfg.split_epilogue or out.element_size() > x2d.element_size()
         if out.element_size() > x2d.element_size():
             options["num_stages"] = _partial_stages(cfg, x2d.element_size(), out.element_size())
