@@ -15,10 +15,12 @@ whose time is dominated by the per-step latency of a sequential chain (32-96 ste
    16, 32, 128, 256 against the table's config (BLOCK_K 64), compared as int16 views;
    the fused LM-head log-prob (its logits, lse and target log-prob) likewise.
 2. Time (CUDA-graph replay, inputs rotated past L2, as eval/bench_linear.py): the decode
-   shapes at 1 and 64 rows, the table's config vs BLOCK_K 128 / 256 tiles (each first
-   checked bit-equal to the table's on the three distributions), and cuBLAS; the
-   promotion rule (``PROMOTE_GAIN`` / ``PROMOTE_CAP``) picks wide-K entries per shape and
-   ``--promote FILE`` writes them for ``AREAL_TIK_LINEAR_TILES`` (_linear_tiles.load_wide_k).
+   shapes of the supported models per row bucket (``TIMED_BUCKETS``: 1 and 64 rows, 128,
+   256), the table's config vs BLOCK_K 128 / 256 tiles (each first checked bit-equal to the
+   table's on the three distributions), and cuBLAS; the promotion rule (``PROMOTE_GAIN`` /
+   ``PROMOTE_CAP``) picks wide-K entries per shape and bucket, and ``--promote FILE`` writes
+   them for ``AREAL_TIK_LINEAR_TILES`` (_linear_tiles.load_wide_k; a run's file joins
+   ``_linear_tiles.WIDE_K_SOURCES`` when its entries go into the table).
 3. The fused LM-head log-prob at BLOCK_K 64 / 128 / 256 and a few pipelines, timed at 1 and
    64 rows.
 Prints one line per case and a summary; writes a long-format CSV.
@@ -117,8 +119,10 @@ def name(cfg) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}{kind}"
 
 
-def timing_configs(k: int):
-    for bk, bn in itertools.product((128, 256), (16, 32, 64)):
+def timing_configs(k: int, bucket: int = 64):
+    """Wide-K tiles for one bucket: BLOCK_K 128 / 256 dividing K, 64-row tiles, BLOCK_N 16-64
+    (to 128 above 64 rows), the deepest pipeline that fits ``SMEM`` and half of it."""
+    for bk, bn in itertools.product((128, 256), (16, 32, 64) + ((128,) if bucket > 64 else ())):
         if k % bk:
             continue
         per_stage = (64 + bn) * bk * 2
@@ -128,19 +132,21 @@ def timing_configs(k: int):
 
 
 def same_bits(cfg, table_cfgs, k, n) -> bool:
-    """``cfg``'s unrounded fp32 chain equals the table's at 1 and 64 rows on every distribution."""
-    for m, kind in itertools.product((1, 64), ("normal", "wide", "cancel")):
+    """``cfg``'s unrounded fp32 chain equals the table's at each timed row count on every distribution."""
+    for m, kind in itertools.product(table_cfgs, ("normal", "wide", "cancel")):
         x, w = dist_inputs(kind, m, k, n, seed=7 * m + k)
         if not torch.equal(bits(L.partial_forward(x, w, 1, cfg)), bits(L.partial_forward(x, w, 1, table_cfgs[m]))):
             return False
     return True
 
 
-# The promotion rule, fixed before any timing: per decode shape, the bit-equal candidate with
-# the least time at 1 + 64 rows, if that sum is <= 0.97x the table's and neither row count is
-# slower than 1.02x the table's.
+# The promotion rule, fixed before any timing: per shape and row bucket, the bit-equal candidate
+# with the least time summed over the bucket's timed row counts, if that sum is <= 0.97x the
+# table's and no row count is slower than 1.02x the table's.
 PROMOTE_GAIN, PROMOTE_CAP = 0.97, 1.02
-
+# (bucket max rows, row counts timed in it): decode up to 64 sequences (the 85e8ca9 run's
+# entries), then 65-128 and 129-256 sequences (added after it; not yet run).
+TIMED_BUCKETS = ((64, (1, 64)), (128, (128,)), (256, (256,)))
 
 # The recipes' other models (recipes/README.md), beyond eval/bench_linear.py's three. SmolLM2-135M's
 # K = 576 takes no BLOCK_K above 64 (no masked tail), so only its down_proj (K = 1536) is a candidate.
@@ -154,43 +160,44 @@ EXTRA_SHAPES = (
 def probe_time(quick: bool, rep_ms: int) -> tuple[list[dict], dict]:
     rows, promoted = [], {}
     shapes = [s for s in SHAPES + EXTRA_SHAPES if s[1] in DECODE_LAYERS]
+    buckets = TIMED_BUCKETS[:1] if quick else TIMED_BUCKETS
     if quick:
         shapes = [s for s in shapes if s[0] == "qwen3-0.6b"]
     cublas = lambda x, w: (lambda: torch.nn.functional.linear(x, w))  # noqa: E731
-    for model, layer, k, n in shapes:
-        table = {m: L.linear_config(m, n, k, torch.bfloat16) for m in (1, 64)}
-        base = {m: measure(cublas, m, k, n, rep_ms, "graph")["us"] for m in (1, 64)}
+    for (model, layer, k, n), (bucket, counts) in itertools.product(shapes, buckets):
+        table = {m: L.linear_config(m, n, k, torch.bfloat16) for m in counts}
+        base = {m: measure(cublas, m, k, n, rep_ms, "graph")["us"] for m in counts}
         timed = []  # (tag, cfg, {m: us})
-        for tag, cfg in [("table", None)] + [("wide", c) for c in timing_configs(k)]:
+        for tag, cfg in [("table", None)] + [("wide", c) for c in timing_configs(k, bucket)]:
             try:
                 if cfg is not None and not same_bits(cfg, table, k, n):
                     print(f"  DIFF {model} {layer} {name(cfg)}: bits differ from the table's")
                     rows.append({"probe": "linear_time", "model": model, "layer": layer, "K": k, "N": n,
-                                 "config": name(cfg), "tag": tag, "equal": 0})
+                                 "bucket": bucket, "config": name(cfg), "tag": tag, "equal": 0})
                     continue
                 us = {m: measure(lambda x, w, c=cfg or table[m]: (lambda: L.linear_forward(x, w, None, c)),
-                                 m, k, n, rep_ms, "graph")["us"] for m in (1, 64)}
+                                 m, k, n, rep_ms, "graph")["us"] for m in counts}
             except OutOfResources:
                 continue
             timed.append((tag, cfg, us))
-            for m in (1, 64):
+            for m in counts:
                 rows.append({"probe": "linear_time", "model": model, "layer": layer, "K": k, "N": n, "M": m,
-                             "config": name(cfg or table[m]), "tag": tag, "equal": 1, "us": us[m],
+                             "bucket": bucket, "config": name(cfg or table[m]), "tag": tag, "equal": 1, "us": us[m],
                              "tbps": 2.0 * (m * k + n * k + m * n) / us[m] * 1e-6, "cublas_us": base[m]})
         ref = timed[0][2]
-        best = min(timed[1:], key=lambda t: t[2][1] + t[2][64], default=None)
+        best = min(timed[1:], key=lambda t: sum(t[2].values()), default=None)
         verdict = "kept"
         if best is not None:
-            gain = (best[2][1] + best[2][64]) / (ref[1] + ref[64])
-            if gain <= PROMOTE_GAIN and all(best[2][m] <= PROMOTE_CAP * ref[m] for m in (1, 64)):
-                promoted[f"64,{n},{k}"] = dataclasses.asdict(best[1])
+            gain = sum(best[2].values()) / sum(ref.values())
+            if gain <= PROMOTE_GAIN and all(best[2][m] <= PROMOTE_CAP * ref[m] for m in counts):
+                promoted[f"{bucket},{n},{k}"] = dataclasses.asdict(best[1])
                 verdict = f"promoted ({gain:.2f}x the table's time)"
-        for m in (1, 64):
+        for m in counts:
             b = best[2][m] if best else float("nan")
             print(f"  {model:>12} {layer:>7} K={k:<5} N={n:<6} M={m:<3} table {ref[m]:6.1f} us ({name(table[m])})  "
                   f"best wide {b:6.1f} us ({name(best[1]) if best else '-'}, {ref[m] / b:.2f}x)  "
                   f"cuBLAS {base[m]:6.1f} us")
-        print(f"  {model:>12} {layer:>7}: {verdict}")
+        print(f"  {model:>12} {layer:>7} <= {bucket} rows: {verdict}")
     return rows, promoted
 
 

@@ -362,15 +362,17 @@ def test_promoted_entries_take_precedence_only_where_the_search_timed_them(monke
 
 
 def test_wide_k_table_is_what_the_probe_promoted():
-    """``_WIDE_K_BF16`` holds exactly the entries the GPU run named in ``WIDE_K_SOURCE``
-    promoted (bits checked, timed), no hand edits; each a tiled decode tile whose BLOCK_K is
-    a multiple of 16 dividing its K."""
+    """``_WIDE_K_BF16`` holds exactly the entries the GPU runs named in ``WIDE_K_SOURCES``
+    promoted (bits checked, timed), merged in order, no hand edits; each a tiled decode tile
+    whose BLOCK_K is a multiple of 16 dividing its K."""
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
-    promoted = json.loads((Path(__file__).resolve().parents[1] / T.WIDE_K_SOURCE).read_text())["linear"]
+    promoted = {}
+    for source in T.WIDE_K_SOURCES:
+        promoted.update(json.loads((Path(__file__).resolve().parents[1] / source).read_text())["linear"])
     table = {",".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in T._WIDE_K_BF16.items()}
     assert table == promoted
     for (max_rows, n, k), cfg in T._WIDE_K_BF16.items():
-        assert max_rows == 64 and not cfg.persistent and cfg.block_k % 16 == 0 and k % cfg.block_k == 0
+        assert max_rows <= 256 and not cfg.persistent and cfg.block_k % 16 == 0 and k % cfg.block_k == 0
         assert cfg.block_m == 64 and cfg.num_warps == 4  # wgmma tiles, as the ladders'
 
 

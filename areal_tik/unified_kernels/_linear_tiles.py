@@ -141,7 +141,9 @@ _TUNED_BF16 = {
 # Llama-3.2-1B at 0.78-0.93x the table's time (Qwen3-1.7B down 18.0 -> 14.6 us at 1 row),
 # Qwen3-1.7B qkv / gate_up and Llama qkv at 0.95-0.97x; Qwen3-0.6B qkv / gate_up and Llama
 # gate_up kept the ladder. ``AREAL_TIK_LINEAR_TILES=<json>`` adds a run's entries (``load_wide_k``).
-WIDE_K_SOURCE = "eval/results/2026-12-07_h100_85e8ca9/linear_tiles_promoted.json"
+# The runs whose promotions the table holds, merged in order (a later run's entry replaces an
+# earlier one's; tests/test_linear.py checks the table against them).
+WIDE_K_SOURCES = ("eval/results/2026-12-07_h100_85e8ca9/linear_tiles_promoted.json",)
 _WIDE_K_BF16: dict[tuple, TileConfig] = {
     (64, 1024, 2048): _cfg(64, 16, 4, 5, block_k=256), (64, 1024, 3072): _cfg(64, 16, 4, 5, block_k=256),
     (64, 2048, 2048): _cfg(64, 16, 4, 5, block_k=128), (64, 2048, 6144): _cfg(64, 16, 4, 5, block_k=256),
