@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
-#   stages: env tests bench_ops probe_block_k sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_decode_b<N> probe_decode_latency probe_host startup qualify check check_<model> bench_rollout bench_prefix
+#   stages: env tests bench_ops probe_block_k sweep_logprob sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_decode_b<N> probe_decode_latency probe_host startup qualify check check_<model> bench_rollout bench_prefix
 #           stage deps vllm_stage vllm_deps check_areal_vllm bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
@@ -75,6 +75,11 @@ for s in $STAGES; do case $s in
   bench_ops) run bench_linear 150 python3 -m eval.bench_linear --out "$W/csv"
              run bench_pointwise 90 python3 -m eval.bench_pointwise --out "$W/csv"
              run bench_logprob 60 python3 -m eval.bench_logprob --out "$W/csv" ;;
+  # the LM-head log-prob's schedules (fewer vocabulary splits among them): the decode sampler's call at
+  # H 1024 (Qwen3-0.6B), then the training call at H 2048, 1 / 64 / 4096 rows (~2 min)
+  sweep_logprob) run sweep_logprob_sampler 150 python3 -m eval.bench_logprob --sweep-only --quick --sweep-hidden 1024 \
+                   --sweep-sampler --out "$W/csv/sweep_logprob_sampler.csv"
+                 run sweep_logprob_train 150 python3 -m eval.bench_logprob --sweep-only --quick --out "$W/csv/sweep_logprob_train.csv" ;;
   # is BLOCK_K numerics or geometry on the GPU? bits at BLOCK_K 16-256 vs 64, decode timing (~4 min)
   # (writes the promoted wide-K entries to $TILES: every later stage on this machine runs with them)
   probe_block_k) run probe_block_k 400 python3 -m eval.probe_block_k --promote "$TILES" --out "$W/csv"
