@@ -35,7 +35,9 @@ import json
 import torch
 from triton.runtime.errors import OutOfResources
 
+from areal_tik.unified_kernels import bits
 from eval.bench_linear import SHAPES, measure
+from eval.bench_linear import cfg_name as name
 from eval.harness import bench_parser, graph_times, print_summary, run_info, write_csv
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
@@ -63,10 +65,6 @@ def dist_inputs(kind: str, m: int, k: int, n: int, seed: int):
         x[:, 1::2] = -x[:, 0::2] * (1 + 2.0 ** -7 * torch.randn(m, k // 2, device=DEVICE, generator=g))
         w[:, 1::2] = w[:, 0::2]
     return x.bfloat16(), w.bfloat16()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def probe_bits(quick: bool) -> list[dict]:
@@ -112,11 +110,6 @@ def probe_logprob_bits(quick: bool) -> list[dict]:
             if not all(eq.values()):
                 print(f"  DIFF logprob T={t} {kind} BLOCK_K={bk}: {eq}")
     return rows
-
-
-def name(cfg) -> str:
-    kind = "/PS" if cfg.split_epilogue else "/P" if cfg.persistent else ""
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}{kind}"
 
 
 def timing_configs(k: int, bucket: int = 64):
