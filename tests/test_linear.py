@@ -18,6 +18,7 @@ from triton.runtime.errors import OutOfResources
 from areal_tik.unified_kernels import bits, linear  # linear: the function (package API)
 from areal_tik.unified_kernels import reference as R
 from areal_tik.unified_kernels._common import fp32_reductions
+from eval.probe_block_k import dist_inputs
 from tests._bits import assert_bitwise, rel_err
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
@@ -379,8 +380,9 @@ def test_wide_k_table_is_what_the_probe_promoted():
 def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_path):
     """``_WIDE_K_BF16``: its (bucket, N, K) on a 132-SM GPU while ``WIDE_K`` is on and the
     launch is the plain chain (no K groups); the ladder / search entries otherwise. Entries
-    load from the JSON eval/probe_block_k.py writes; a BLOCK_K that is not a multiple of
-    16, does not divide K, or a persistent entry is refused."""
+    load from the JSON eval/probe_block_k.py writes (``AREAL_TIK_LINEAR_TILES``); a BLOCK_K
+    that is not a multiple of 16, does not divide K, or a persistent entry is refused; a
+    missing file raises."""
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
     monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setattr(T, "interpreting", lambda: False)
@@ -388,9 +390,10 @@ def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_p
     bf16, n, k = torch.bfloat16, 1024, 2048
     without = {rows: L.linear_config(rows, n, k, bf16, sms=132) for rows in (1, 64, 65)}
     wide = T._cfg(64, 16, 4, 5, block_k=256)
-    path = tmp_path / "wide.json"
-    path.write_text(json.dumps({"linear": {f"64,{n},{k}": dataclasses.asdict(wide)}}))
-    assert T.load_wide_k(str(path)) == 1
+    path = tmp_path / "wide.json"  # as eval/probe_block_k.py writes it, read as the kernels read it
+    path.write_text(json.dumps({"linear": {f"64,{n},{k}": dataclasses.asdict(wide)}, "logprob": {}}))
+    monkeypatch.setenv("AREAL_TIK_LINEAR_TILES", str(path))
+    assert T.load_wide_k(T.measured_overrides("linear")) == 1
     try:
         assert L.linear_config(1, n, k, bf16, sms=132) == L.linear_config(64, n, k, bf16, sms=132) == wide
         assert wide in L.linear_candidates(bf16)  # so the GPU contract test runs it
@@ -402,9 +405,11 @@ def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_p
         monkeypatch.setattr(L, "WIDE_K", False)
         assert L.linear_config(1, n, k, bf16, sms=132) == without[1]
         for bad in (dict(block_k=96), dict(block_k=4096), dict(persistent=True)):
-            path.write_text(json.dumps({"linear": {f"64,{n},{k}": dataclasses.asdict(dataclasses.replace(wide, **bad))}}))
             with pytest.raises(ValueError, match="not a wide-K decode tile"):
-                T.load_wide_k(str(path))
+                T.load_wide_k({f"64,{n},{k}": dataclasses.asdict(dataclasses.replace(wide, **bad))})
+        monkeypatch.setenv("AREAL_TIK_LINEAR_TILES", str(tmp_path / "missing.json"))
+        with pytest.raises(FileNotFoundError):
+            T.measured_overrides("linear")
     finally:
         T._select.cache_clear()
 
@@ -668,21 +673,6 @@ def test_gpu_cublas_row_invariance_report():
                   f"from M=1, by row count: {report}; unified linear: 0 for every row count")
 
 
-def _adversarial(m, k, n, kind, seed):
-    """bf16 x, weight: ``wide`` spreads exponents over +-2^24 (every alignment shift inside
-    a step's sum), ``cancel`` pairs nearly opposite products (the sums keep low bits)."""
-    g = torch.Generator(device=GPU).manual_seed(seed)
-    x = torch.randn(m, k, device=GPU, generator=g)
-    w = torch.randn(n, k, device=GPU, generator=g) * k ** -0.5
-    if kind == "wide":
-        x = x * torch.exp2(torch.randint(-24, 25, (m, k), device=GPU, generator=g).float())
-        w = w * torch.exp2(torch.randint(-12, 13, (n, k), device=GPU, generator=g).float())
-    else:
-        x[:, 1::2] = -x[:, 0::2] * (1 + 2.0 ** -7 * torch.randn(m, k // 2, device=GPU, generator=g))
-        w[:, 1::2] = w[:, 0::2]
-    return x.bfloat16(), w.bfloat16()
-
-
 @pytest.mark.gpu
 def test_gpu_fp32_partials_run_every_persistent_config():
     """fp32 partials at persistent row counts: the table's promoted 128x256/s4 split-epilogue
@@ -691,8 +681,7 @@ def test_gpu_fp32_partials_run_every_persistent_config():
     k, n, m = 2048, 1024, 2048
     x, w, _ = _gpu_problem(m, k, n, torch.bfloat16, seed=33, bias=False)
     table = L.linear_config(m, n, k, torch.bfloat16)
-    assert table.persistent and table.num_stages * (table.block_m + table.block_n) * 128 + \
-        table.block_m * table.block_n * 2 > L._SMEM_BYTES  # the case that did not fit
+    assert table.persistent and L._partial_stages(table, 2, 4) < table.num_stages  # the case that did not fit
     expect = L.linear_forward(x, w, None)
     for cfg in [table] + [c for c in L.linear_candidates(torch.bfloat16) if c.persistent]:
         assert_bitwise(L.partial_forward(x, w, 1, cfg).to(torch.bfloat16), expect, f"partial {cfg}")
@@ -708,10 +697,7 @@ def test_gpu_block_k_is_geometry(m):
     k, n = 3072, 1024
     base_cfg = L._cfg(64, 16 if m <= 64 else 64, 4, 4)  # BLOCK_K 64, the ladders'
     for kind in ("normal", "wide", "cancel"):
-        if kind == "normal":
-            x, w, _ = _gpu_problem(m, k, n, torch.bfloat16, seed=31, bias=False)
-        else:
-            x, w = _adversarial(m, k, n, kind, seed=32)
+        x, w = dist_inputs(kind, m, k, n, seed=32)  # eval/probe_block_k.py's: the GPU run's inputs
         base = L.partial_forward(x, w, 1, base_cfg)
         for block_k, persistent in itertools.product((16, 32, 128, 256), (False, True)):
             tile = L._cfg(64, 16 if m <= 64 else 64, 4, 2, "P" if persistent else "", block_k=block_k)

@@ -25,6 +25,7 @@ from areal_tik.model.ops import get_ops
 from areal_tik.unified_kernels import combine_partials, linear, linear_partial
 from tests._bits import assert_bitwise, rel_err
 from tests.test_linear import _count_persistent_launches, forward_if_it_fits
+from tests.test_linear import _host_chain as _chain  # one group's chain, 16-column steps
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
 MMA_K = importlib.import_module("areal_tik.unified_kernels._linear_chain").MMA_K.value  # the chain's step
@@ -40,17 +41,6 @@ def _problem(m, k, n, dtype, device, seed=0, bias=True):
     w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16().to(device=device, dtype=dtype)
     b = torch.randn(n, generator=g).bfloat16().to(device=device, dtype=dtype) if bias else None
     return x, w, b
-
-
-def _chain(x, w, step):
-    """One group's fp32 chain from zero, ``step`` columns at a time, as the interpreter
-    computes it: each step's dot exact in fp64 (bf16 products), added to the fp32 sum,
-    rounded to fp32."""
-    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
-    for start in range(0, x.shape[1], step):
-        block = x[:, start:start + step].double() @ w[:, start:start + step].double().T
-        acc = (acc.double() + block).float()
-    return acc
 
 
 def _tree(sums):

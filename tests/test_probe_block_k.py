@@ -54,7 +54,9 @@ def test_promotes_the_fastest_bit_equal_candidate_within_the_cap(monkeypatch, tm
     path.write_text(json.dumps({"linear": promoted, "logprob": {}}))
     monkeypatch.setattr(T, "_WIDE_K_BF16", {})
     try:  # the file the probe writes is what the table loads
-        assert T.load_wide_k(str(path)) == 1 and T._WIDE_K_BF16[(64, 32, 256)] == FASTER_BUT_CAPPED
+        monkeypatch.setenv("AREAL_TIK_LINEAR_TILES", str(path))
+        assert T.load_wide_k(T.measured_overrides("linear")) == 1
+        assert T._WIDE_K_BF16[(64, 32, 256)] == FASTER_BUT_CAPPED
     finally:
         T._select.cache_clear()
 

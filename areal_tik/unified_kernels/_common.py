@@ -6,6 +6,7 @@ Every launcher validates its inputs with these helpers so that bad input raises 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from typing import Iterable, Sequence
 
@@ -20,6 +21,17 @@ def env_switch(name: str, default: bool) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def measured_overrides(section: str) -> dict:
+    """One section ("linear", "logprob") of the JSON named by ``AREAL_TIK_LINEAR_TILES``: the
+    launch geometries a GPU run of eval/probe_block_k.py measured and bit-checked; {} when
+    the variable is unset. A missing file or bad JSON raises (never a silent default)."""
+    path = os.environ.get("AREAL_TIK_LINEAR_TILES")
+    if not path:
+        return {}
+    with open(path) as f:
+        return json.load(f).get(section, {})
 
 
 # Dtypes the kernels accept for activations and weights.

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 
 import torch
 import triton
 
-from ._common import interpreting
+from ._common import interpreting, measured_overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +130,8 @@ _TUNED_BF16 = {
 # At <= 64 rows a narrow layer's time is the sequential chain's step latency, not its
 # bytes (Qwen3-0.6B o_proj: 64 programs x 32 steps of 2 KiB in 7.7 us on the H200), so
 # fewer steps is the lever the contract leaves free where a K split is not. Checked before
-# ``_TUNED_BF16`` while ``wide_k`` is on (``linear.WIDE_K``); an entry applies only where
-# BLOCK_K divides K (no masked tail). Source: eval/probe_block_k.py at 85e8ca9 on an H100
+# ``_TUNED_BF16`` while ``wide_k`` is on (``linear.WIDE_K``); an entry's BLOCK_K divides its
+# K (no masked tail; ``load_wide_k`` and tests/test_linear.py check it). Source: eval/probe_block_k.py at 85e8ca9 on an H100
 # (132 SMs, as the H200; eval/results/2026-12-07_h100_85e8ca9/: linear_tiles_promoted.json):
 # each candidate bit-equal to the table's fp32 chain at 1 and 64 rows on normal, wide-exponent
 # and cancelling inputs, then promoted by the rule fixed before timing (1 + 64 rows <= 0.97x
@@ -152,17 +150,15 @@ _WIDE_K_BF16: dict[tuple, TileConfig] = {
 }
 
 
-def load_wide_k(path: str) -> int:
-    """Add the wide-K entries of a JSON file written by eval/probe_block_k.py
-    ({"linear": {"max_rows,n,k": {TileConfig fields}}, ...}); returns how many. Refuses an
-    entry whose BLOCK_K is not a multiple of 16 or does not divide its K, or that is persistent."""
-    with open(path) as f:
-        entries = json.load(f).get("linear", {})
+def load_wide_k(entries: dict) -> int:
+    """Add wide-K entries as eval/probe_block_k.py writes them ({"max_rows,n,k": {TileConfig
+    fields}}: its JSON's "linear" section); returns how many. Refuses an entry whose BLOCK_K
+    is not a multiple of 16 or does not divide its K, or that is persistent."""
     for key, fields in entries.items():
         max_rows, n, k = (int(v) for v in key.split(","))
         cfg = TileConfig(**fields)
         if cfg.block_k % 16 or k % cfg.block_k or cfg.persistent:
-            raise ValueError(f"{path}: entry {key} {cfg} is not a wide-K decode tile (BLOCK_K a multiple of "
+            raise ValueError(f"entry {key} {cfg} is not a wide-K decode tile (BLOCK_K a multiple of "
                              f"16 dividing K, tiled kernel)")
         _WIDE_K_BF16[(max_rows, n, k)] = cfg
     _select.cache_clear()
@@ -179,7 +175,7 @@ def tuned(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool, sms: int, wi
     for max_rows, _ in _GPU_BUCKETS[dtype]:
         if max_rows is None or rows <= max_rows:
             wide = _WIDE_K_BF16.get((max_rows, n, k)) if wide_k else None
-            if wide is not None and k % wide.block_k == 0:
+            if wide is not None:  # (its BLOCK_K divides this K: the key's, checked on entry)
                 return wide
             cfg = _TUNED_BF16.get((max_rows, n, k))
             return None if cfg is None or (cfg.persistent and not tma) else cfg
@@ -288,5 +284,4 @@ def _device_info(index: int) -> tuple[bool, int]:
     return props.major >= 9, props.multi_processor_count
 
 
-if os.environ.get("AREAL_TIK_LINEAR_TILES"):  # an experiment's measured wide-K entries (eval/probe_block_k.py)
-    load_wide_k(os.environ["AREAL_TIK_LINEAR_TILES"])
+load_wide_k(measured_overrides("linear"))  # an experiment's entries (AREAL_TIK_LINEAR_TILES), if any

@@ -88,14 +88,12 @@ WIDE_K = _common.env_switch("AREAL_TIK_LINEAR_WIDE_K", True)
 @contextlib.contextmanager
 def wide_k(on: bool):
     """``WIDE_K`` set inside the block (a benchmark's side-by-side runs; the same bits)."""
-    global WIDE_K
+    global WIDE_K  # (the plan cache keys on it: no plan crosses the switch)
     saved, WIDE_K = WIDE_K, on
-    _PLANS.clear()
     try:
         yield
     finally:
         WIDE_K = saved
-        _PLANS.clear()
 
 
 def linear_config(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool | None = None,

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, check_positive_float, check_same_device, check_tensor,
-                      fp32_reductions, grad_mm, interpreting)
+                      fp32_reductions, grad_mm, interpreting, measured_overrides)
 from ._pdl import pdl, pdl_wait
 from ._rounding import cast_rne
 
@@ -265,9 +263,7 @@ def load_pipeline(fields: dict) -> None:
     PIPELINE.update(fields)
 
 
-if os.environ.get("AREAL_TIK_LINEAR_TILES"):  # an experiment's measured entries (eval/probe_block_k.py)
-    with open(os.environ["AREAL_TIK_LINEAR_TILES"]) as _f:
-        load_pipeline(json.load(_f).get("logprob", {}))
+load_pipeline(measured_overrides("logprob"))  # an experiment's override (AREAL_TIK_LINEAR_TILES), if any
 
 
 _COMBINE_BLOCK = 128
