@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+from areal_tik.optimize.op_linear import MODEL_PROJECTIONS  # noqa: E402
 from eval.harness import event_us, graph_times, run_info, write_csv  # noqa: E402
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
@@ -61,23 +62,9 @@ TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 GRAPH_MAX_US = 200.0  # calls up to this long are timed from a CUDA graph
 ROTATE_BYTES = 2 * 60 * 2 ** 20  # > 2x the H200's 50 MiB L2: every call reads from HBM
 
-# (model, layer, K, N): q/k/v and gate/up are packed into one matmul each.
-SHAPES = (
-    ("qwen3-0.6b", "qkv", 1024, 2048 + 2 * 1024),
-    ("qwen3-0.6b", "o", 2048, 1024),
-    ("qwen3-0.6b", "gate_up", 1024, 2 * 3072),
-    ("qwen3-0.6b", "down", 3072, 1024),
-    ("qwen3-0.6b", "lm_head", 1024, 151936),
-    ("qwen3-1.7b", "qkv", 2048, 2048 + 2 * 1024),
-    ("qwen3-1.7b", "o", 2048, 2048),
-    ("qwen3-1.7b", "up", 2048, 6144),  # one projection: the reference cuBLAS numbers
-    ("qwen3-1.7b", "gate_up", 2048, 2 * 6144),
-    ("qwen3-1.7b", "down", 6144, 2048),
-    ("llama-3.2-1b", "qkv", 2048, 32 * 64 + 2 * 8 * 64),
-    ("llama-3.2-1b", "o", 2048, 2048),
-    ("llama-3.2-1b", "gate_up", 2048, 2 * 8192),
-    ("llama-3.2-1b", "down", 8192, 2048),
-)
+# (model, layer, K, N): q/k/v and gate/up packed into one matmul each; the search's linear
+# workloads are the same list.
+SHAPES = MODEL_PROJECTIONS
 QUICK_SHAPES = (("qwen3-1.7b", "up", 2048, 6144), ("llama-3.2-1b", "down", 8192, 2048))
 QUICK_TOKENS = (1, 64, 1024, 8192)
 SWEEP_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 16384)  # to place bucket limits
