@@ -10,6 +10,7 @@
 #           report (areal-tik report over $RUNS_OUT: HTML, PNGs, summary.json and the run files)
 #           optimize (mechanical search, attention then linear, one call) optimize_attention
 #           optimize_linear (one op per call, longer budgets; OPT_BUDGET_S, OPT_ARGS e.g. --rounds 7);
+#           search_linear (optimize_linear, then bench_linear with its promoted groups loaded);
 #           optimize_agent (the agent's attention candidates in eval/agent/: eval/agent/round.sh);
 #           run dirs: $OUT/optimize_runs*.tgz
 #           bench_tp (needs 2 GPUs: TP = 2 vs TP = 1 rollout and the training forward, bits and tokens/s)
@@ -201,6 +202,11 @@ for s in $STAGES; do case $s in
   optimize_agent) run optimize_agent 570 bash eval/agent/round.sh "$OUT/agent" "${AGENT_ROUNDS:-5}" ;;
   optimize_linear) run optimize_linear 570 python3 -m eval.optimize_gpu --out "$OUT/linear" \
                      --ops linear --budget-s linear=${OPT_BUDGET_S:-420} ${OPT_ARGS:-} ;;
+  # The linear search, then bench_linear on its promoted groups beside cuBLAS in the same call
+  # (they reach bench_linear through $TILES' "tuned" section; ~OPT_BUDGET_S + 2 min).
+  search_linear) run optimize_linear 480 python3 -m eval.optimize_gpu --out "$OUT/linear" --ops linear \
+                     --budget-s linear=${OPT_BUDGET_S:-300} --tiles-out "$TILES" ${OPT_ARGS:-}
+                 use_tiles; run bench_linear 150 python3 -m eval.bench_linear --out "$W/csv" ;;
   # Tensor-parallel rollout on 2 GPUs (Qwen3-1.7B, Llama-3.2-1B configs): bitwise rate vs
   # TP = 1 engine and training forward, tokens/s; with CUDA graphs, then eager if that fails.
   # TP_MODELS picks the models (one per call if both do not fit in 10 minutes).

@@ -5,6 +5,7 @@ Usage (GPU, repo root):
     python3 -m eval.optimize_gpu --out DIR [--ops attention linear]
                                  [--budget-s attention=300 linear=100] [--rounds 3] [--l2-flush]
     python3 -m eval.optimize_gpu --out DIR --grid tiny --device cpu    # CPU smoke run (interpreter)
+    python3 -m eval.optimize_gpu --out DIR --ops linear --tiles-out FILE   # + the promoted groups
 
 For each op: ``init`` a run on the h200 grid (coefficients c_w = 1 / root latency, so
 T(root) = number of workloads), then the mechanical proposer (one-knob moves, successive
@@ -14,7 +15,10 @@ run) within the op's budget. Prints per op T(root)/T(best), the per-workload rat
 candidates tried / passing / promoted and the failure reasons; writes each run's
 ``summary.json`` and packs the run directories into DIR/optimize_runs.tgz. Kernel
 defaults are not changed here: a promoted config is applied to the kernel's table by
-hand, citing its audit.
+hand, citing its audit. ``--tiles-out FILE`` writes the linear run's promoted groups into
+FILE's "tuned" section (other sections kept): with ``AREAL_TIK_LINEAR_TILES=FILE`` later
+processes launch them (``_linear_tiles.load_tuned``), so eval/bench_linear.py can put the
+promoted table beside cuBLAS on the same machine.
 """
 from __future__ import annotations
 
@@ -78,6 +82,16 @@ def _stop(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}: stopping, packing the run directories")
 
 
+def write_tuned(path: Path, summary: dict) -> int:
+    """The linear run's best config (promoted groups; {} when the root stayed best) as FILE's
+    "tuned" section, merged into what FILE holds; returns how many groups."""
+    tiles = json.loads(path.read_text()) if path.exists() else {}
+    best = summary["best_config"] if summary["best"] != summary["root"] else {}
+    tiles["tuned"] = best
+    path.write_text(json.dumps(tiles, indent=1, sort_keys=True))
+    return len(best)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for optimize_runs.tgz")
@@ -92,6 +106,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--audit-timeout-s", type=float, default=240.0)
     parser.add_argument("--l2-flush", action="store_true")
+    parser.add_argument("--tiles-out", default=None,
+                        help="JSON for the linear run's promoted groups (its \"tuned\" section)")
     args = parser.parse_args()
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1 before triton is imported")
@@ -117,6 +133,9 @@ def main() -> int:
         print(f"RESULT {op}: T(root)/T(best) = {s['speedup']:.4f}; candidates {s['candidates']}, "
               f"audited {s['audited']}, passing {s['passing']}, promoted {s['promoted']}; "
               f"failures {s['failure_reasons']}; wall {s['wall_s']:.0f} s; best {s['best_config']}")
+    if args.tiles_out and "linear" in results:
+        count = write_tuned(Path(args.tiles_out), results["linear"])
+        print(f"tuned linear groups: {count} written to {args.tiles_out}")
     print(f"run directories: {out / 'optimize_runs.tgz'}")
     return code
 

@@ -414,6 +414,44 @@ def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_p
         T._select.cache_clear()
 
 
+def test_search_runs_promoted_groups_load_as_table_entries(monkeypatch, tmp_path):
+    """A linear search run's best config (eval/optimize_gpu.py --tiles-out: the JSON's
+    "tuned" section) becomes ``_TUNED_BF16`` entries for its (bucket, N, K) on a 132-SM GPU,
+    so a later process (bench_linear) launches it; a key naming no bucket and a config the
+    contract test does not run are refused; the root staying best writes no group."""
+    T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
+    gpu_run = importlib.import_module("eval.optimize_gpu")
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(T, "interpreting", lambda: False)
+    monkeypatch.setattr(T, "_TUNED_BF16", dict(T._TUNED_BF16))
+    bf16, n, k = torch.bfloat16, 4096, 2048  # Qwen3-1.7B qkv: no search entry at 1024 rows so far
+    ladder = {rows: L.linear_config(rows, n, k, bf16, sms=132) for rows in (64, 1024, 1025)}
+    promoted = T._cfg(128, 256, 8, 3, "PS")
+    assert promoted != ladder[1024]
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"linear": {}, "logprob": {"block_k": 64}}))
+    best = {f"b1024:{n}x{k}": dataclasses.asdict(promoted)}
+    assert gpu_run.write_tuned(path, {"best": "c0007", "root": "c0000", "best_config": best}) == 1
+    written = json.loads(path.read_text())
+    assert written["logprob"] == {"block_k": 64} and written["tuned"] == best  # other sections kept
+    monkeypatch.setenv("AREAL_TIK_LINEAR_TILES", str(path))
+    try:
+        assert T.load_tuned(T.measured_overrides("tuned")) == 1
+        assert L.linear_config(1024, n, k, bf16, sms=132) == promoted
+        assert L.linear_config(513, n, k, bf16, sms=132) == promoted  # the whole bucket
+        assert L.linear_config(64, n, k, bf16, sms=132) == ladder[64]  # other buckets keep theirs
+        assert L.linear_config(1025, n, k, bf16, sms=132) == ladder[1025]
+        assert L.linear_config(1024, n, k, bf16, sms=114) != promoted  # another GPU
+        with pytest.raises(ValueError, match="not 'b<max_rows>:<N>x<K>'"):
+            T.load_tuned({f"b999:{n}x{k}": dataclasses.asdict(promoted)})
+        with pytest.raises(ValueError, match="not a config the contract test runs"):
+            T.load_tuned({f"binf:{n}x{k}": dataclasses.asdict(T._cfg(128, 256, 8, 7, "PS"))})
+        assert gpu_run.write_tuned(path, {"best": "c0000", "root": "c0000", "best_config": {}}) == 0
+        assert json.loads(path.read_text())["tuned"] == {}
+    finally:
+        T._select.cache_clear()
+
+
 def test_partial_outputs_fit_shared_memory_with_every_persistent_config():
     """fp32 partials (``linear_partial``) of bf16 operands keep an fp32 half tile for the
     epilogue beside the pipeline: every persistent GPU config then drops stages (geometry)

@@ -24,8 +24,9 @@ def env_switch(name: str, default: bool) -> bool:
 
 
 def measured_overrides(section: str) -> dict:
-    """One section ("linear", "logprob") of the JSON named by ``AREAL_TIK_LINEAR_TILES``: the
-    launch geometries a GPU run of eval/probe_block_k.py measured and bit-checked; {} when
+    """One section ("linear", "logprob": eval/probe_block_k.py; "tuned": a linear search run's
+    promoted groups, eval/optimize_gpu.py) of the JSON named by ``AREAL_TIK_LINEAR_TILES``:
+    launch geometries a GPU run measured and bit-checked; {} when
     the variable is unset. A missing file or bad JSON raises (never a silent default)."""
     path = os.environ.get("AREAL_TIK_LINEAR_TILES")
     if not path:

@@ -165,6 +165,29 @@ def load_wide_k(entries: dict) -> int:
     return len(entries)
 
 
+def load_tuned(entries: dict) -> int:
+    """Add search-promoted entries as a linear search run's best config holds them
+    ({"b<max_rows>:<N>x<K>": {TileConfig fields}}, "binf" for the last bucket: the JSON's
+    "tuned" section, written by eval/optimize_gpu.py --tiles-out); returns how many. Refuses
+    a key that names no bucket and a config the GPU contract test does not run (not in
+    ``linear_candidates``): the search proposes only those, so anything else is not its."""
+    known = set(linear_candidates(torch.bfloat16, gpu=True))
+    bounds = {f"b{b if b is not None else 'inf'}": b for b, _ in _GPU_BUCKETS[torch.bfloat16]}
+    for key, fields in entries.items():
+        bucket, _, shape = key.partition(":")
+        n, _, k = shape.partition("x")
+        cfg = TileConfig(**fields)
+        if bucket not in bounds or not (n.isdigit() and k.isdigit()):
+            raise ValueError(f"tuned entry key {key!r} is not 'b<max_rows>:<N>x<K>' with max_rows in "
+                             f"{sorted(bounds)}")
+        if cfg not in known:
+            raise ValueError(f"tuned entry {key} {cfg} is not a config the contract test runs "
+                             f"(linear_candidates)")
+        _TUNED_BF16[(bounds[bucket], int(n), int(k))] = cfg
+    _select.cache_clear()
+    return len(entries)
+
+
 def tuned(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool, sms: int, wide_k: bool = True) -> TileConfig | None:
     """The promoted entry for this launch on the GPU (``_WIDE_K_BF16`` while ``wide_k``,
     then ``_TUNED_BF16``), or None (the ladder decides): other dtypes or SM counts, rows
@@ -228,14 +251,16 @@ def buckets(dtype: torch.dtype) -> tuple:
     return (_CPU_BUCKETS if interpreting() else _GPU_BUCKETS)[dtype]
 
 
-def linear_candidates(dtype: torch.dtype, candidates: bool = True) -> tuple:
-    """Every config that must give identical bits for ``dtype``: table, fixed, candidates."""
-    if interpreting():
-        table, fixed, extra = _CPU_BUCKETS, _CPU_FIXED, {dtype: _CPU_CANDIDATES}
-    else:
+def linear_candidates(dtype: torch.dtype, candidates: bool = True, gpu: bool | None = None) -> tuple:
+    """Every config that must give identical bits for ``dtype``: table, fixed, candidates
+    (the GPU's or the interpreter's set: ``gpu``, default not ``interpreting()``)."""
+    gpu = not interpreting() if gpu is None else gpu
+    if gpu:
         table, fixed, extra = _GPU_BUCKETS, _GPU_FIXED, _GPU_CANDIDATES
+    else:
+        table, fixed, extra = _CPU_BUCKETS, _CPU_FIXED, {dtype: _CPU_CANDIDATES}
     configs = [cfg for _, ladder in table[dtype] for cfg, _, _ in ladder] + [fixed[dtype]]
-    if dtype == torch.bfloat16 and not interpreting():
+    if dtype == torch.bfloat16 and gpu:
         configs += list(_TUNED_BF16.values()) + list(_WIDE_K_BF16.values())
     configs += list(extra[dtype]) if candidates else []
     return tuple(dict.fromkeys(configs))
@@ -285,3 +310,4 @@ def _device_info(index: int) -> tuple[bool, int]:
 
 
 load_wide_k(measured_overrides("linear"))  # an experiment's entries (AREAL_TIK_LINEAR_TILES), if any
+load_tuned(measured_overrides("tuned"))  # a search run's promoted groups (the same file), if any
