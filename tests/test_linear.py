@@ -368,13 +368,45 @@ def test_wide_k_table_is_what_the_probe_promoted():
     whose BLOCK_K is a multiple of 16 dividing its K."""
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
     promoted = {}
-    for source in T.WIDE_K_SOURCES:
-        promoted.update(json.loads((Path(__file__).resolve().parents[1] / source).read_text())["linear"])
-    table = {",".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in T._WIDE_K_BF16.items()}
-    assert table == promoted
+    for source in T.WIDE_K_SOURCES:  # the probe's "linear" entries, a search's wide-K groups
+        run = json.loads((Path(__file__).resolve().parents[1] / source).read_text())
+        promoted.update({tuple(None if v == "None" else int(v) for v in key.split(",")): fields
+                         for key, fields in run.get("linear", {}).items()})
+        for key, fields in run.get("tuned", {}).items():
+            if T.is_wide_k(T.TileConfig(**fields)):
+                promoted[T.group_key(key)] = fields
+            else:
+                promoted.pop(T.group_key(key), None)
+    assert {key: dataclasses.asdict(cfg) for key, cfg in T._WIDE_K_BF16.items()} == promoted
     for (max_rows, n, k), cfg in T._WIDE_K_BF16.items():
         assert max_rows <= 256 and not cfg.persistent and cfg.block_k % 16 == 0 and k % cfg.block_k == 0
         assert cfg.block_m == 64 and cfg.num_warps == 4  # wgmma tiles, as the ladders'
+
+
+def test_tuned_table_holds_the_search_runs_groups():
+    """Every group of the runs in ``TUNED_SOURCES`` (a linear search's promoted config, as
+    eval/optimize_gpu.py --tiles-out wrote it) is in the table where ``load_tuned`` routes it:
+    ``_TUNED_BF16`` with no wide-K entry shadowing it, or ``_WIDE_K_BF16`` (K steps > 64);
+    so loading the run's file on top of the table changes nothing."""
+    T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
+    groups = {}
+    for source in T.TUNED_SOURCES:
+        groups.update(json.loads((Path(__file__).resolve().parents[1] / source).read_text())["tuned"])
+    assert groups  # a source without groups would make this test vacuous
+    for key, fields in groups.items():
+        where, cfg = T.group_key(key), T.TileConfig(**fields)
+        if T.is_wide_k(cfg):
+            assert T._WIDE_K_BF16.get(where) == cfg, key
+        else:
+            assert T._TUNED_BF16.get(where) == cfg and where not in T._WIDE_K_BF16, key
+    before = (dict(T._TUNED_BF16), dict(T._WIDE_K_BF16))
+    try:
+        T.load_tuned(groups)
+        assert (T._TUNED_BF16, T._WIDE_K_BF16) == before
+    finally:
+        T._TUNED_BF16.clear(), T._TUNED_BF16.update(before[0])
+        T._WIDE_K_BF16.clear(), T._WIDE_K_BF16.update(before[1])
+        T._select.cache_clear()
 
 
 def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_path):
@@ -424,7 +456,7 @@ def test_search_runs_promoted_groups_load_as_table_entries(monkeypatch, tmp_path
     monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setattr(T, "interpreting", lambda: False)
     monkeypatch.setattr(T, "_TUNED_BF16", dict(T._TUNED_BF16))
-    bf16, n, k = torch.bfloat16, 4096, 2048  # Qwen3-1.7B qkv: no search entry at 1024 rows so far
+    bf16, n, k = torch.bfloat16, 2048, 1536  # Qwen2.5-1.5B qkv: no search entry (the ladder)
     ladder = {rows: L.linear_config(rows, n, k, bf16, sms=132) for rows in (64, 1024, 1025)}
     promoted = T._cfg(128, 256, 8, 3, "PS")
     assert promoted != ladder[1024]

@@ -108,6 +108,14 @@ _GPU_CANDIDATES = {
 # gate (bits equal to the ladder's on every workload, row invariance, the anti-hacking
 # checks) passed. Rows above 4096, which the search did not time, keep the ladder. Every
 # entry is a config of _GPU_CANDIDATES or of the ladders (the contract test proves each).
+# Second run (TUNED_SOURCES, routed as ``load_tuned`` does): the same proposer at 00d371a on
+# an H100 (132 SMs; eval/results/2026-12-07_h100_00d371a/: optimize_linear.log, its run
+# directory), 70 workloads (bench_linear's 14 projections x 1/16/64/1024/4096 rows), 150 s:
+# 4096 candidates, 10 audited, 10 passing, 3 promoted; best c4784, audit a5673, T(root)/T =
+# 1.025; the 13 groups it changes at 0.80-0.97x the root's latency on their workloads
+# (Qwen3-1.7B qkv at 1024 rows 32.1 -> 25.6 us), none over the cap. binf:2048x6144 replaced
+# c0913's 128x256/s3/P; b64:2048x8192 (BLOCK_K 256) replaced the probe's wide-K entry.
+TUNED_SOURCES = ("eval/results/2026-12-07_h100_00d371a/linear_tiles_searched.json",)
 _TUNED_SMS = 132
 _TUNED_MAX_ROWS = 4096
 _TUNED_BF16 = {
@@ -120,8 +128,17 @@ _TUNED_BF16 = {
     (1024, 4096, 1024): _cfg(128, 256, 8, 3, "PS"), (1024, 6144, 1024): _cfg(128, 128, 4, 4, "P"),
     (None, 1024, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 1024, 3072): _cfg(128, 256, 8, 4, "PS"),
     (None, 12288, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 151936, 1024): _cfg(128, 256, 8, 4, "PS"),
-    (None, 2048, 6144): _cfg(128, 256, 8, 3, "P"), (None, 3072, 2048): _cfg(128, 256, 8, 4, "PS"),
+    (None, 2048, 6144): _cfg(128, 256, 8, 4, "PS"), (None, 3072, 2048): _cfg(128, 256, 8, 4, "PS"),
     (None, 4096, 1024): _cfg(128, 256, 8, 3, "PS"), (None, 6144, 1024): _cfg(128, 256, 8, 4, "PS"),
+    # The second linear search run (TUNED_SOURCES), on bench_linear's 14 projections: the shapes
+    # the first never timed (Qwen3-1.7B qkv / o / up, Llama-3.2-1B o / gate_up / down).
+    (64, 6144, 2048): _cfg(64, 64, 4, 6),
+    (1024, 2048, 2048): _cfg(128, 128, 4, 4, "P"), (1024, 2048, 8192): _cfg(128, 128, 4, 4, "P"),
+    (1024, 4096, 2048): _cfg(128, 256, 8, 4, "PS"), (1024, 6144, 2048): _cfg(128, 128, 4, 4, "P"),
+    (1024, 16384, 2048): _cfg(128, 256, 8, 4, "PS"),
+    (None, 2048, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 2048, 8192): _cfg(128, 256, 8, 3, "PS"),
+    (None, 4096, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 6144, 2048): _cfg(128, 256, 8, 4, "PS"),
+    (None, 16384, 2048): _cfg(128, 256, 8, 4, "PS"),
 }
 
 
@@ -141,11 +158,13 @@ _TUNED_BF16 = {
 # gate_up kept the ladder. ``AREAL_TIK_LINEAR_TILES=<json>`` adds a run's entries (``load_wide_k``).
 # The runs whose promotions the table holds, merged in order (a later run's entry replaces an
 # earlier one's; tests/test_linear.py checks the table against them).
-WIDE_K_SOURCES = ("eval/results/2026-12-07_h100_85e8ca9/linear_tiles_promoted.json",)
+WIDE_K_SOURCES = ("eval/results/2026-12-07_h100_85e8ca9/linear_tiles_promoted.json",
+                  # the search's wide-K groups (load_tuned routes them here): Llama-3.2-1B down
+                  "eval/results/2026-12-07_h100_00d371a/linear_tiles_searched.json")
 _WIDE_K_BF16: dict[tuple, TileConfig] = {
     (64, 1024, 2048): _cfg(64, 16, 4, 5, block_k=256), (64, 1024, 3072): _cfg(64, 16, 4, 5, block_k=256),
     (64, 2048, 2048): _cfg(64, 16, 4, 5, block_k=128), (64, 2048, 6144): _cfg(64, 16, 4, 5, block_k=256),
-    (64, 2048, 8192): _cfg(64, 16, 4, 10, block_k=128), (64, 3072, 2048): _cfg(64, 32, 4, 8, block_k=128),
+    (64, 2048, 8192): _cfg(64, 16, 4, 5, block_k=256), (64, 3072, 2048): _cfg(64, 32, 4, 8, block_k=128),
     (64, 4096, 2048): _cfg(64, 32, 4, 8, block_k=128), (64, 12288, 2048): _cfg(64, 64, 4, 3, block_k=128),
 }
 
@@ -165,25 +184,42 @@ def load_wide_k(entries: dict) -> int:
     return len(entries)
 
 
+def group_key(key: str) -> tuple:
+    """(max_rows, N, K) of a search group key "b<max_rows>:<N>x<K>" ("binf": max_rows None)."""
+    bounds = {f"b{b if b is not None else 'inf'}": b for b, _ in _GPU_BUCKETS[torch.bfloat16]}
+    bucket, _, shape = key.partition(":")
+    n, _, k = shape.partition("x")
+    if bucket not in bounds or not (n.isdigit() and k.isdigit()):
+        raise ValueError(f"tuned entry key {key!r} is not 'b<max_rows>:<N>x<K>' with max_rows in "
+                         f"{sorted(bounds)}")
+    return bounds[bucket], int(n), int(k)
+
+
+def is_wide_k(cfg: TileConfig) -> bool:
+    """A tiled entry with K steps wider than the ladders' 64: the ``WIDE_K`` switch's."""
+    return cfg.block_k > 64 and not cfg.persistent
+
+
 def load_tuned(entries: dict) -> int:
     """Add search-promoted entries as a linear search run's best config holds them
-    ({"b<max_rows>:<N>x<K>": {TileConfig fields}}, "binf" for the last bucket: the JSON's
-    "tuned" section, written by eval/optimize_gpu.py --tiles-out); returns how many. Refuses
+    ({"b<max_rows>:<N>x<K>": {TileConfig fields}}: the JSON's "tuned" section, written by
+    eval/optimize_gpu.py --tiles-out); returns how many. Each replaces whatever served its
+    (bucket, N, K): the search timed it against the table as it stood and it won. A wide-K
+    entry (``is_wide_k``) goes to ``_WIDE_K_BF16``, so ``WIDE_K`` off still means no K step
+    above 64; any other to ``_TUNED_BF16``, dropping a wide-K entry of the same key. Refuses
     a key that names no bucket and a config the GPU contract test does not run (not in
     ``linear_candidates``): the search proposes only those, so anything else is not its."""
     known = set(linear_candidates(torch.bfloat16, gpu=True))
-    bounds = {f"b{b if b is not None else 'inf'}": b for b, _ in _GPU_BUCKETS[torch.bfloat16]}
     for key, fields in entries.items():
-        bucket, _, shape = key.partition(":")
-        n, _, k = shape.partition("x")
-        cfg = TileConfig(**fields)
-        if bucket not in bounds or not (n.isdigit() and k.isdigit()):
-            raise ValueError(f"tuned entry key {key!r} is not 'b<max_rows>:<N>x<K>' with max_rows in "
-                             f"{sorted(bounds)}")
+        where, cfg = group_key(key), TileConfig(**fields)
         if cfg not in known:
             raise ValueError(f"tuned entry {key} {cfg} is not a config the contract test runs "
                              f"(linear_candidates)")
-        _TUNED_BF16[(bounds[bucket], int(n), int(k))] = cfg
+        if is_wide_k(cfg):
+            _WIDE_K_BF16[where] = cfg
+        else:
+            _WIDE_K_BF16.pop(where, None)
+            _TUNED_BF16[where] = cfg
     _select.cache_clear()
     return len(entries)
 
