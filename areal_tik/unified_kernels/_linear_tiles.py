@@ -92,10 +92,13 @@ _GPU_CANDIDATES = {
         (128, 64, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
         (128, 128, 4, 4, "P"), (128, 128, 8, 4, "P"), (128, 256, 8, 3, "P"), (128, 256, 8, 3, "PS"),
         (128, 256, 8, 4, "PS"), (256, 128, 8, 3, "PS"), (256, 128, 8, 4, "PS"))) + tuple(
-        # wider K steps (the same k16 chain): decode tiles and one of each kernel at 128 / 256
+        # wider K steps (the same k16 chain): decode tiles and one of each kernel at 128 / 256;
+        # half the K steps for the narrow 1024-row launches the second search could not speed
+        # (Qwen3-0.6B o / down at 1024 rows, 64x128x64/s4: 0.85-0.88x cuBLAS; not yet timed)
         _cfg(*spec, block_k=bk) for *spec, bk in (
             (64, 16, 4, 10, 128), (64, 16, 4, 5, 256), (64, 32, 4, 8, 128), (64, 64, 4, 3, 256),
-            (128, 128, 4, 3, "P", 128), (128, 128, 8, 3, 32))),
+            (128, 128, 4, 3, "P", 128), (128, 128, 8, 3, 32),
+            (64, 128, 4, 3, 128), (64, 128, 4, 4, 128), (128, 64, 4, 4, 128))),
     torch.float32: tuple(_cfg(*spec, block_k=32) for spec in ((32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3)))
     + (_cfg(64, 64, 4, 2, block_k=64),),
 }
