@@ -436,8 +436,9 @@ def test_wide_k_entries_serve_decode_rows_of_their_shape_only(monkeypatch, tmp_p
         assert L.linear_config(1, n, k + 64, bf16, sms=132).block_k == 64  # another shape
         monkeypatch.setattr(L, "WIDE_K", False)
         assert L.linear_config(1, n, k, bf16, sms=132) == without[1]
-        for bad in (dict(block_k=96), dict(block_k=4096), dict(persistent=True)):
-            with pytest.raises(ValueError, match="not a wide-K decode tile"):
+        for bad, match in ((dict(block_k=40), "not a wide-K decode tile"), (dict(persistent=True), "not a wide-K"),
+                           (dict(block_k=96), "does not divide K = 2048"), (dict(block_k=4096), "does not divide K")):
+            with pytest.raises(ValueError, match=match):
                 T.load_wide_k({f"64,{n},{k}": dataclasses.asdict(dataclasses.replace(wide, **bad))})
         monkeypatch.setenv("AREAL_TIK_LINEAR_TILES", str(tmp_path / "missing.json"))
         with pytest.raises(FileNotFoundError):
@@ -450,7 +451,8 @@ def test_search_runs_promoted_groups_load_as_table_entries(monkeypatch, tmp_path
     """A linear search run's best config (eval/optimize_gpu.py --tiles-out: the JSON's
     "tuned" section) becomes ``_TUNED_BF16`` entries for its (bucket, N, K) on a 132-SM GPU,
     so a later process (bench_linear) launches it; a key naming no bucket and a config the
-    contract test does not run are refused; the root staying best writes no group."""
+    contract test does not run, and a BLOCK_K above 64 that does not divide K are refused;
+    the root staying best writes no group."""
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
     gpu_run = importlib.import_module("eval.optimize_gpu")
     monkeypatch.setattr(L, "interpreting", lambda: False)
@@ -478,6 +480,8 @@ def test_search_runs_promoted_groups_load_as_table_entries(monkeypatch, tmp_path
             T.load_tuned({f"b999:{n}x{k}": dataclasses.asdict(promoted)})
         with pytest.raises(ValueError, match="not a config the contract test runs"):
             T.load_tuned({f"binf:{n}x{k}": dataclasses.asdict(T._cfg(128, 256, 8, 7, "PS"))})
+        with pytest.raises(ValueError, match="does not divide K = 576"):  # a masked tail step
+            T.load_tuned({"b64:1024x576": dataclasses.asdict(T._cfg(64, 16, 4, 5, block_k=256))})
         assert gpu_run.write_tuned(path, {"best": "c0000", "root": "c0000", "best_config": {}}) == 0
         assert json.loads(path.read_text())["tuned"] == {}
     finally:

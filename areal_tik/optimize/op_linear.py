@@ -18,6 +18,7 @@ from .checks import expect_bits, root_bits
 from .ops import Op, Workload, restrict_groups
 
 L = importlib.import_module("areal_tik.unified_kernels.linear")
+T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
 
 # (model, layer, K, N): the projections of the supported models' configs (q/k/v and gate/up
 # packed, as the model launches them; Qwen3-1.7B's single "up" as a reference cuBLAS shape).
@@ -42,15 +43,12 @@ TINY_TOKENS = (1, 5, 40)
 _FIELDS = {f.name: f.type for f in dataclasses.fields(L.TileConfig)}
 
 
-def _bucket(rows: int) -> str:
+def group_key(rows: int, n: int, k: int) -> str:
+    """The group of a launch: its row bucket (this process's table) and weight shape."""
     for max_rows, _ in L.buckets(torch.bfloat16):
         if max_rows is None or rows <= max_rows:
-            return f"b{max_rows if max_rows is not None else 'inf'}"
+            return T.group_name(max_rows, n, k)
     raise AssertionError("bucket table ends with None")
-
-
-def group_key(rows: int, n: int, k: int) -> str:
-    return f"{_bucket(rows)}:{n}x{k}"
 
 
 class LinearImpl:

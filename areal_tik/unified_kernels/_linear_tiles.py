@@ -172,6 +172,13 @@ _WIDE_K_BF16: dict[tuple, TileConfig] = {
 }
 
 
+def _check_whole_k_steps(key: str, k: int, cfg: TileConfig) -> None:
+    # An entry wider than the ladders' BLOCK_K 64 must divide its K: no masked tail block
+    # (``tuned`` serves it for its key's K without looking again).
+    if cfg.block_k > 64 and k % cfg.block_k:
+        raise ValueError(f"entry {key} {cfg}: BLOCK_K {cfg.block_k} does not divide K = {k}")
+
+
 def load_wide_k(entries: dict) -> int:
     """Add wide-K entries as eval/probe_block_k.py writes them ({"max_rows,n,k": {TileConfig
     fields}}: its JSON's "linear" section); returns how many. Refuses an entry whose BLOCK_K
@@ -179,17 +186,23 @@ def load_wide_k(entries: dict) -> int:
     for key, fields in entries.items():
         max_rows, n, k = (int(v) for v in key.split(","))
         cfg = TileConfig(**fields)
-        if cfg.block_k % 16 or k % cfg.block_k or cfg.persistent:
+        if cfg.block_k % 16 or cfg.persistent:
             raise ValueError(f"entry {key} {cfg} is not a wide-K decode tile (BLOCK_K a multiple of "
-                             f"16 dividing K, tiled kernel)")
+                             f"16, tiled kernel)")
+        _check_whole_k_steps(key, k, cfg)
         _WIDE_K_BF16[(max_rows, n, k)] = cfg
     _select.cache_clear()
     return len(entries)
 
 
+def group_name(max_rows: int | None, n: int, k: int) -> str:
+    """A search group's key: "b<max_rows>:<N>x<K>", "binf" for the last bucket."""
+    return f"b{max_rows if max_rows is not None else 'inf'}:{n}x{k}"
+
+
 def group_key(key: str) -> tuple:
-    """(max_rows, N, K) of a search group key "b<max_rows>:<N>x<K>" ("binf": max_rows None)."""
-    bounds = {f"b{b if b is not None else 'inf'}": b for b, _ in _GPU_BUCKETS[torch.bfloat16]}
+    """(max_rows, N, K) of a GPU search group key (``group_name``'s inverse)."""
+    bounds = {group_name(b, 0, 0).partition(":")[0]: b for b, _ in _GPU_BUCKETS[torch.bfloat16]}
     bucket, _, shape = key.partition(":")
     n, _, k = shape.partition("x")
     if bucket not in bounds or not (n.isdigit() and k.isdigit()):
@@ -210,14 +223,16 @@ def load_tuned(entries: dict) -> int:
     (bucket, N, K): the search timed it against the table as it stood and it won. A wide-K
     entry (``is_wide_k``) goes to ``_WIDE_K_BF16``, so ``WIDE_K`` off still means no K step
     above 64; any other to ``_TUNED_BF16``, dropping a wide-K entry of the same key. Refuses
-    a key that names no bucket and a config the GPU contract test does not run (not in
-    ``linear_candidates``): the search proposes only those, so anything else is not its."""
+    a key that names no bucket, a config the GPU contract test does not run (not in
+    ``linear_candidates``: the search proposes only those, so anything else is not its) and a
+    BLOCK_K above 64 that does not divide K (as ``load_wide_k``)."""
     known = set(linear_candidates(torch.bfloat16, gpu=True))
     for key, fields in entries.items():
         where, cfg = group_key(key), TileConfig(**fields)
         if cfg not in known:
             raise ValueError(f"tuned entry {key} {cfg} is not a config the contract test runs "
                              f"(linear_candidates)")
+        _check_whole_k_steps(key, where[2], cfg)
         if is_wide_k(cfg):
             _WIDE_K_BF16[where] = cfg
         else:
