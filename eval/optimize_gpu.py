@@ -84,10 +84,14 @@ def _stop(signum, frame):
 
 def write_tuned(path: Path, summary: dict) -> int:
     """The linear run's best config (promoted groups; {} when the root stayed best) as FILE's
-    "tuned" section, merged into what FILE holds; returns how many groups."""
+    "tuned" section, with the row ranges its keys name ("tuned_bounds"), merged into what
+    FILE holds; returns how many groups."""
+    from areal_tik.unified_kernels import _linear_tiles
+
     tiles = json.loads(path.read_text()) if path.exists() else {}
     best = summary["best_config"] if summary["best"] != summary["root"] else {}
     tiles["tuned"] = best
+    tiles.update(_linear_tiles.search_file_fields())
     path.write_text(json.dumps(tiles, indent=1, sort_keys=True))
     return len(best)
 

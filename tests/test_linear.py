@@ -325,9 +325,10 @@ def test_gpu_table_selection(monkeypatch):
 
 
 def test_promoted_entries_take_precedence_only_where_the_search_timed_them(monkeypatch):
-    """``_TUNED_BF16`` (a promoted audit of the search): its shapes at its row buckets up
-    to 4096 rows on a 132-SM GPU; the ladder everywhere else. Every entry is a config
-    whose bits the contract proves (the ladders' and the candidates')."""
+    """``_TUNED_BF16`` (a promoted audit of the search): its shapes in its row ranges
+    (``_TUNED_BOUNDS``) on a 132-SM GPU; the ladder everywhere else (rows above 4096 where
+    no "binf" group was promoted). Every entry is a config whose bits the contract proves
+    (the ladders' and the candidates')."""
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
     monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setattr(T, "interpreting", lambda: False)
@@ -336,18 +337,19 @@ def test_promoted_entries_take_precedence_only_where_the_search_timed_them(monke
     proven = {cfg for _, ladder in T._GPU_BUCKETS[bf16] for cfg, _, _ in ladder} | set(T._GPU_CANDIDATES[bf16])
     assert T._TUNED_BF16 and set(T._TUNED_BF16.values()) <= proven
     assert set(T._TUNED_BF16.values()) <= set(L.linear_candidates(bf16))
-    limits = [m for m, _ in T._GPU_BUCKETS[bf16]]
+    limits = list(T._TUNED_BOUNDS)
     # (rows, n, k, tma, sms) -> whether the promoted entry must be chosen
     cases = {}
     for (max_rows, n, k), cfg in T._TUNED_BF16.items():
         low = limits[limits.index(max_rows) - 1] + 1 if max_rows != limits[0] else 1
-        high = max_rows if max_rows is not None else T._TUNED_MAX_ROWS
+        high = max_rows if max_rows is not None else 16384
         for rows in (low, high):
             cases[(rows, n, k, True, 132)] = cfg
             cases[(rows, n, k, True, 114)] = None  # another GPU: the ladder
             cases[(rows, n, k, False, 132)] = None if cfg.persistent else cfg  # no TMA: no persistent entry
-        if max_rows is None:
-            cases[(T._TUNED_MAX_ROWS + 1, n, k, True, 132)] = None  # past the timed rows: the ladder
+        if max_rows == 4096:  # rows above: the "binf" group's entry if the search promoted one
+            above = T._TUNED_BF16.get((None, n, k))
+            cases[(4097, n, k, True, 132)] = cases[(16384, n, k, True, 132)] = above
         cases[(64, n, k + 64, True, 132)] = None  # a shape the search did not see
 
     def pick(table):
@@ -372,7 +374,7 @@ def test_wide_k_table_is_what_the_probe_promoted():
         run = json.loads((Path(__file__).resolve().parents[1] / source).read_text())
         promoted.update({tuple(None if v == "None" else int(v) for v in key.split(",")): fields
                          for key, fields in run.get("linear", {}).items()})
-        for key, fields in run.get("tuned", {}).items():
+        for key, fields in T.file_groups(run).items():
             if T.is_wide_k(T.TileConfig(**fields)):
                 promoted[T.group_key(key)] = fields
             else:
@@ -391,7 +393,7 @@ def test_tuned_table_holds_the_search_runs_groups():
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
     groups = {}
     for source in T.TUNED_SOURCES:
-        groups.update(json.loads((Path(__file__).resolve().parents[1] / source).read_text())["tuned"])
+        groups.update(T.file_groups(json.loads((Path(__file__).resolve().parents[1] / source).read_text())))
     assert groups  # a source without groups would make this test vacuous
     for key, fields in groups.items():
         where, cfg = T.group_key(key), T.TileConfig(**fields)
@@ -452,14 +454,16 @@ def test_search_runs_promoted_groups_load_as_table_entries(monkeypatch, tmp_path
     "tuned" section) becomes ``_TUNED_BF16`` entries for its (bucket, N, K) on a 132-SM GPU,
     so a later process (bench_linear) launches it; a key naming no bucket and a config the
     contract test does not run, and a BLOCK_K above 64 that does not divide K are refused;
-    the root staying best writes no group."""
+    the root staying best writes no group. The file records its row ranges; a file from
+    before the 4096-row cut (none recorded) reads its "binf" as "b4096", the rows its search
+    timed; a file naming other ranges is refused."""
     T = importlib.import_module("areal_tik.unified_kernels._linear_tiles")
     gpu_run = importlib.import_module("eval.optimize_gpu")
     monkeypatch.setattr(L, "interpreting", lambda: False)
     monkeypatch.setattr(T, "interpreting", lambda: False)
     monkeypatch.setattr(T, "_TUNED_BF16", dict(T._TUNED_BF16))
     bf16, n, k = torch.bfloat16, 2048, 1536  # Qwen2.5-1.5B qkv: no search entry (the ladder)
-    ladder = {rows: L.linear_config(rows, n, k, bf16, sms=132) for rows in (64, 1024, 1025)}
+    ladder = {rows: L.linear_config(rows, n, k, bf16, sms=132) for rows in (64, 1024, 1025, 4096, 4097, 16384)}
     promoted = T._cfg(128, 256, 8, 3, "PS")
     assert promoted != ladder[1024]
     path = tmp_path / "tiles.json"
@@ -468,14 +472,30 @@ def test_search_runs_promoted_groups_load_as_table_entries(monkeypatch, tmp_path
     assert gpu_run.write_tuned(path, {"best": "c0007", "root": "c0000", "best_config": best}) == 1
     written = json.loads(path.read_text())
     assert written["logprob"] == {"block_k": 64} and written["tuned"] == best  # other sections kept
+    assert written["tuned_bounds"] == ["b64", "b128", "b256", "b512", "b1024", "b4096", "binf"]
     monkeypatch.setenv("AREAL_TIK_LINEAR_TILES", str(path))
     try:
-        assert T.load_tuned(T.measured_overrides("tuned")) == 1
+        assert T.load_tuned(T.file_groups(T.measured_file())) == 1
         assert L.linear_config(1024, n, k, bf16, sms=132) == promoted
         assert L.linear_config(513, n, k, bf16, sms=132) == promoted  # the whole bucket
         assert L.linear_config(64, n, k, bf16, sms=132) == ladder[64]  # other buckets keep theirs
         assert L.linear_config(1025, n, k, bf16, sms=132) == ladder[1025]
         assert L.linear_config(1024, n, k, bf16, sms=114) != promoted  # another GPU
+        # rows above 1024: a file from before the cut (its search timed 4096 rows at most) ...
+        wide = T._cfg(128, 128, 4, 4, "P")
+        assert wide not in (ladder[1025], ladder[4096], ladder[4097], ladder[16384])
+        old = {"tuned": {f"binf:{n}x{k}": dataclasses.asdict(wide)}}
+        assert T.file_groups(old) == {f"b4096:{n}x{k}": dataclasses.asdict(wide)}
+        assert T.load_tuned(T.file_groups(old)) == 1
+        assert L.linear_config(1025, n, k, bf16, sms=132) == L.linear_config(4096, n, k, bf16, sms=132) == wide
+        assert L.linear_config(4097, n, k, bf16, sms=132) == ladder[4097]
+        # ... and one written now, whose "binf" is rows above 4096 (timed at 16384)
+        assert T.load_tuned(T.file_groups({"tuned": {f"binf:{n}x{k}": dataclasses.asdict(promoted)},
+                                           **T.search_file_fields()})) == 1
+        assert L.linear_config(4097, n, k, bf16, sms=132) == L.linear_config(16384, n, k, bf16, sms=132) == promoted
+        assert L.linear_config(4096, n, k, bf16, sms=132) == wide
+        with pytest.raises(ValueError, match="row ranges"):
+            T.file_groups({"tuned": {}, "tuned_bounds": ["b64", "b1024", "binf"]})
         with pytest.raises(ValueError, match="not 'b<max_rows>:<N>x<K>'"):
             T.load_tuned({f"b999:{n}x{k}": dataclasses.asdict(promoted)})
         with pytest.raises(ValueError, match="not a config the contract test runs"):

@@ -1,8 +1,8 @@
 """The linear op for the search: workloads, inputs, contract checks, knobs.
 
-Config: {group key: TileConfig fields}, where a group is one weight shape in one row
-bucket of ``linear._GPU_BUCKETS`` (key "b<max_rows>:<N>x<K>", "binf" for the last
-bucket); groups without an entry use the kernel's own ``linear_config``. The root config
+Config: {group key: TileConfig fields}, where a group is one weight shape in one row range
+of ``_linear_tiles._TUNED_BOUNDS`` (key "b<max_rows>:<N>x<K>", "binf" for rows above 4096);
+groups without an entry use the kernel's own ``linear_config``. The root config
 is {} (the kernel's table as it stands). A knob move sets one group to another geometry
 from ``linear.linear_candidates`` (BLOCK_K any multiple of 16: the same k16 chain); the
 contract checks, not the variant list, decide whether its bits are the root's.
@@ -37,18 +37,18 @@ MODEL_PROJECTIONS = (
 # those), which left the misses of bench_linear at 1024 rows (Qwen3-1.7B qkv / o / up,
 # Llama-3.2-1B o) outside every run.
 H200_SHAPES = tuple((f"{model}.{layer}", n, k) for model, layer, k, n in MODEL_PROJECTIONS)
-H200_TOKENS = (1, 16, 64, 1024, 4096)
+# Row counts: decode (1 / 16 / 64), prefill chunks and micro-batches (1024 / 4096) and, since
+# 2026-12-07, a 16K-token training micro-batch (the "binf" groups: bench_linear's 16384-row
+# misses, Qwen3-0.6B at 0.85-0.89x cuBLAS, lay outside every earlier run).
+H200_TOKENS = (1, 16, 64, 1024, 4096, 16384)
 TINY_SHAPES = (("tiny.a", 24, 32), ("tiny.b", 40, 48))
 TINY_TOKENS = (1, 5, 40)
 _FIELDS = {f.name: f.type for f in dataclasses.fields(L.TileConfig)}
 
 
 def group_key(rows: int, n: int, k: int) -> str:
-    """The group of a launch: its row bucket (this process's table) and weight shape."""
-    for max_rows, _ in L.buckets(torch.bfloat16):
-        if max_rows is None or rows <= max_rows:
-            return T.group_name(max_rows, n, k)
-    raise AssertionError("bucket table ends with None")
+    """The group of a launch: its row range (this process's search groups) and weight shape."""
+    return T.search_group(rows, n, k)
 
 
 class LinearImpl:

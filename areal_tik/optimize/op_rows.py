@@ -10,7 +10,7 @@ RMSNorm geometries putting another number of warps on a row can: the contract su
 (bits equal to the root on every workload, row invariance) decides, not that text.
 
 Workloads (grid "h200"): the supported models' widths (Qwen3-0.6B, Qwen3-1.7B,
-Llama-3.2-1B) at 1/16/64/1024/4096 rows, as the linear grid. Grid "tiny": widths small
+Llama-3.2-1B) at 1/16/64/1024/4096 rows (the linear grid's, less its 16384). Grid "tiny": widths small
 enough for the CPU interpreter.
 """
 from __future__ import annotations

@@ -23,16 +23,21 @@ def env_switch(name: str, default: bool) -> bool:
     return value == "1"
 
 
-def measured_overrides(section: str) -> dict:
-    """One section ("linear", "logprob": eval/probe_block_k.py; "tuned": a linear search run's
-    promoted groups, eval/optimize_gpu.py) of the JSON named by ``AREAL_TIK_LINEAR_TILES``:
-    launch geometries a GPU run measured and bit-checked; {} when
-    the variable is unset. A missing file or bad JSON raises (never a silent default)."""
+def measured_file() -> dict:
+    """The JSON named by ``AREAL_TIK_LINEAR_TILES``: launch geometries a GPU run measured and
+    bit-checked ("linear", "logprob": eval/probe_block_k.py; "tuned": a linear search run's
+    promoted groups, eval/optimize_gpu.py); {} when the variable is unset. A missing file or
+    bad JSON raises (never a silent default)."""
     path = os.environ.get("AREAL_TIK_LINEAR_TILES")
     if not path:
         return {}
     with open(path) as f:
-        return json.load(f).get(section, {})
+        return json.load(f)
+
+
+def measured_overrides(section: str) -> dict:
+    """One section of ``measured_file`` ({} when absent)."""
+    return measured_file().get(section, {})
 
 
 # Dtypes the kernels accept for activations and weights.

@@ -16,7 +16,7 @@ import math
 import torch
 import triton
 
-from ._common import interpreting, measured_overrides
+from ._common import interpreting, measured_file, measured_overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +116,16 @@ _GPU_CANDIDATES = {
 # directory), 70 workloads (bench_linear's 14 projections x 1/16/64/1024/4096 rows), 150 s:
 # 4096 candidates, 10 audited, 10 passing, 3 promoted; best c4784, audit a5673, T(root)/T =
 # 1.025; the 13 groups it changes at 0.80-0.97x the root's latency on their workloads
-# (Qwen3-1.7B qkv at 1024 rows 32.1 -> 25.6 us), none over the cap. binf:2048x6144 replaced
-# c0913's 128x256/s3/P; b64:2048x8192 (BLOCK_K 256) replaced the probe's wide-K entry.
+# (Qwen3-1.7B qkv at 1024 rows 32.1 -> 25.6 us), none over the cap. b4096:2048x6144 (the file's
+# "binf") replaced c0913's 128x256/s3/P; b64:2048x8192 (BLOCK_K 256) replaced the probe's wide-K entry.
+# Search groups are one weight shape in one of ``_TUNED_BOUNDS``' row ranges: the ladders'
+# buckets with the last one cut at 4096 rows, so the rows above it, which the first two runs
+# never timed (their largest workload: 4096 rows), are a group of their own ("binf"), timed at
+# 16384 rows since 2026-12-07. Until then "binf" named rows above 1024 and entries stopped at
+# 4096 rows; those runs' groups are the "b4096" groups here (``file_groups`` reads their files).
 TUNED_SOURCES = ("eval/results/2026-12-07_h100_00d371a/linear_tiles_searched.json",)
 _TUNED_SMS = 132
-_TUNED_MAX_ROWS = 4096
+_TUNED_BOUNDS = (64, 128, 256, 512, 1024, 4096, None)
 _TUNED_BF16 = {
     (64, 1024, 2048): _cfg(64, 16, 4, 6), (64, 1024, 3072): _cfg(64, 16, 4, 6),
     (64, 151936, 1024): _cfg(64, 128, 4, 3), (64, 2048, 6144): _cfg(64, 16, 4, 6),
@@ -129,19 +134,19 @@ _TUNED_BF16 = {
     (1024, 12288, 2048): _cfg(128, 256, 8, 3, "PS"), (1024, 151936, 1024): _cfg(128, 256, 8, 4, "PS"),
     (1024, 2048, 6144): _cfg(128, 128, 4, 4, "P"), (1024, 3072, 2048): _cfg(128, 256, 8, 3, "PS"),
     (1024, 4096, 1024): _cfg(128, 256, 8, 3, "PS"), (1024, 6144, 1024): _cfg(128, 128, 4, 4, "P"),
-    (None, 1024, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 1024, 3072): _cfg(128, 256, 8, 4, "PS"),
-    (None, 12288, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 151936, 1024): _cfg(128, 256, 8, 4, "PS"),
-    (None, 2048, 6144): _cfg(128, 256, 8, 4, "PS"), (None, 3072, 2048): _cfg(128, 256, 8, 4, "PS"),
-    (None, 4096, 1024): _cfg(128, 256, 8, 3, "PS"), (None, 6144, 1024): _cfg(128, 256, 8, 4, "PS"),
+    (4096, 1024, 2048): _cfg(128, 256, 8, 4, "PS"), (4096, 1024, 3072): _cfg(128, 256, 8, 4, "PS"),
+    (4096, 12288, 2048): _cfg(128, 256, 8, 4, "PS"), (4096, 151936, 1024): _cfg(128, 256, 8, 4, "PS"),
+    (4096, 2048, 6144): _cfg(128, 256, 8, 4, "PS"), (4096, 3072, 2048): _cfg(128, 256, 8, 4, "PS"),
+    (4096, 4096, 1024): _cfg(128, 256, 8, 3, "PS"), (4096, 6144, 1024): _cfg(128, 256, 8, 4, "PS"),
     # The second linear search run (TUNED_SOURCES), on bench_linear's 14 projections: the shapes
     # the first never timed (Qwen3-1.7B qkv / o / up, Llama-3.2-1B o / gate_up / down).
     (64, 6144, 2048): _cfg(64, 64, 4, 6),
     (1024, 2048, 2048): _cfg(128, 128, 4, 4, "P"), (1024, 2048, 8192): _cfg(128, 128, 4, 4, "P"),
     (1024, 4096, 2048): _cfg(128, 256, 8, 4, "PS"), (1024, 6144, 2048): _cfg(128, 128, 4, 4, "P"),
     (1024, 16384, 2048): _cfg(128, 256, 8, 4, "PS"),
-    (None, 2048, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 2048, 8192): _cfg(128, 256, 8, 3, "PS"),
-    (None, 4096, 2048): _cfg(128, 256, 8, 4, "PS"), (None, 6144, 2048): _cfg(128, 256, 8, 4, "PS"),
-    (None, 16384, 2048): _cfg(128, 256, 8, 4, "PS"),
+    (4096, 2048, 2048): _cfg(128, 256, 8, 4, "PS"), (4096, 2048, 8192): _cfg(128, 256, 8, 3, "PS"),
+    (4096, 4096, 2048): _cfg(128, 256, 8, 4, "PS"), (4096, 6144, 2048): _cfg(128, 256, 8, 4, "PS"),
+    (4096, 16384, 2048): _cfg(128, 256, 8, 4, "PS"),
 }
 
 
@@ -196,19 +201,50 @@ def load_wide_k(entries: dict) -> int:
 
 
 def group_name(max_rows: int | None, n: int, k: int) -> str:
-    """A search group's key: "b<max_rows>:<N>x<K>", "binf" for the last bucket."""
+    """A search group's key: "b<max_rows>:<N>x<K>", "binf" for the last row range."""
     return f"b{max_rows if max_rows is not None else 'inf'}:{n}x{k}"
+
+
+def search_bounds() -> tuple:
+    """The row ranges' upper bounds of the search groups in this process: ``_TUNED_BOUNDS``
+    on the GPU, the interpreter's buckets there (its tiny search)."""
+    return tuple(b for b, _ in _CPU_TABLE) if interpreting() else _TUNED_BOUNDS
+
+
+def search_group(rows: int, n: int, k: int) -> str:
+    """The search group of a launch (``search_bounds``' row range and the weight shape)."""
+    return group_name(next(b for b in search_bounds() if b is None or rows <= b), n, k)
 
 
 def group_key(key: str) -> tuple:
     """(max_rows, N, K) of a GPU search group key (``group_name``'s inverse)."""
-    bounds = {group_name(b, 0, 0).partition(":")[0]: b for b, _ in _GPU_BUCKETS[torch.bfloat16]}
+    bounds = {group_name(b, 0, 0).partition(":")[0]: b for b in _TUNED_BOUNDS}
     bucket, _, shape = key.partition(":")
     n, _, k = shape.partition("x")
     if bucket not in bounds or not (n.isdigit() and k.isdigit()):
         raise ValueError(f"tuned entry key {key!r} is not 'b<max_rows>:<N>x<K>' with max_rows in "
                          f"{sorted(bounds)}")
     return bounds[bucket], int(n), int(k)
+
+
+def search_file_fields() -> dict:
+    """What a search file records beside its groups (eval/optimize_gpu.py writes it): the
+    row ranges its keys name."""
+    return {"tuned_bounds": [group_name(b, 0, 0).partition(":")[0] for b in _TUNED_BOUNDS]}
+
+
+def file_groups(tiles: dict) -> dict:
+    """A search file's "tuned" groups, keyed as this table names them. A file that records
+    its row ranges ("tuned_bounds") must record these; one from before the 4096-row cut
+    records none, and its "binf" (rows above 1024, timed at 4096 rows at most) is "b4096"."""
+    groups = dict(tiles.get("tuned", {}))
+    if "tuned_bounds" in tiles:
+        if tiles["tuned_bounds"] != search_file_fields()["tuned_bounds"]:
+            raise ValueError(f"search file's row ranges {tiles['tuned_bounds']} are not this table's "
+                             f"{search_file_fields()['tuned_bounds']}")
+        return groups
+    return {("b4096:" + key[len("binf:"):] if key.startswith("binf:") else key): fields
+            for key, fields in groups.items()}
 
 
 def is_wide_k(cfg: TileConfig) -> bool:
@@ -247,16 +283,16 @@ def tuned(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool, sms: int, wi
     then ``_TUNED_BF16``), or None (the ladder decides): other dtypes or SM counts, rows
     past the timed range, a shape the search did not see, or a persistent entry where TMA
     cannot run."""
-    if dtype != torch.bfloat16 or sms != _TUNED_SMS or rows > _TUNED_MAX_ROWS:
+    if dtype != torch.bfloat16 or sms != _TUNED_SMS:
         return None
-    for max_rows, _ in _GPU_BUCKETS[dtype]:
+    for max_rows in _TUNED_BOUNDS:
         if max_rows is None or rows <= max_rows:
             wide = _WIDE_K_BF16.get((max_rows, n, k)) if wide_k else None
             if wide is not None:  # (its BLOCK_K divides this K: the key's, checked on entry)
                 return wide
             cfg = _TUNED_BF16.get((max_rows, n, k))
             return None if cfg is None or (cfg.persistent and not tma) else cfg
-    raise AssertionError("bucket table must end with max_rows=None")
+    raise AssertionError("_TUNED_BOUNDS must end with None")
 
 
 # Interpreter: tiny tiles (a 128^3 interpreted matmul takes ~0.3 s) and small thresholds
@@ -331,7 +367,8 @@ def row_probes(dtype: torch.dtype, max_rows: int) -> list[int]:
     in tests/test_compile_keys.py) with ~500 calls instead of 16384."""
     configs = linear_candidates(dtype)
     block_ms = [cfg.block_m for cfg in configs] + ([64] if any(cfg.block_m > 64 for cfg in configs) else [])
-    bounds = [b for b, _ in buckets(dtype) if b is not None] + ([] if interpreting() else [_TUNED_MAX_ROWS])
+    bounds = [b for b in ({b for b, _ in buckets(dtype)} | ({*_TUNED_BOUNDS} if not interpreting() else set()))
+              if b is not None]
     step = functools.reduce(math.gcd, block_ms + bounds)
     head = max(block_ms)
     return sorted({*range(1, min(head, max_rows) + 1), *range(head + 1, max_rows + 1, step)})
@@ -364,4 +401,4 @@ def _device_info(index: int) -> tuple[bool, int]:
 
 
 load_wide_k(measured_overrides("linear"))  # an experiment's entries (AREAL_TIK_LINEAR_TILES), if any
-load_tuned(measured_overrides("tuned"))  # a search run's promoted groups (the same file), if any
+load_tuned(file_groups(measured_file()))  # a search run's promoted groups (the same file), if any
