@@ -280,8 +280,9 @@ def load_tuned(entries: dict) -> int:
 
 def tuned(rows: int, n: int, k: int, dtype: torch.dtype, tma: bool, sms: int, wide_k: bool = True) -> TileConfig | None:
     """The promoted entry for this launch on the GPU (``_WIDE_K_BF16`` while ``wide_k``,
-    then ``_TUNED_BF16``), or None (the ladder decides): other dtypes or SM counts, rows
-    past the timed range, a shape the search did not see, or a persistent entry where TMA
+    then ``_TUNED_BF16``) for its search group (``_TUNED_BOUNDS`` row range, N, K), or None
+    (the ladder decides): other dtypes or SM counts, a group no search promoted (rows above
+    4096 until a search timed at 16384 rows promotes one), or a persistent entry where TMA
     cannot run."""
     if dtype != torch.bfloat16 or sms != _TUNED_SMS:
         return None
