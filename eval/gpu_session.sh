@@ -204,8 +204,10 @@ for s in $STAGES; do case $s in
                      --ops linear --budget-s linear=${OPT_BUDGET_S:-420} ${OPT_ARGS:-} ;;
   # The linear search, then bench_linear on its promoted groups beside cuBLAS in the same call
   # (they reach bench_linear through $TILES' "tuned" section; ~OPT_BUDGET_S + 2 min).
-  search_linear) run optimize_linear 480 python3 -m eval.optimize_gpu --out "$OUT/linear" --ops linear \
-                     --budget-s linear=${OPT_BUDGET_S:-300} --tiles-out "$TILES" ${OPT_ARGS:-}
+  # (420 + 150 s of limits fit one 600 s call; the 84-workload grid's audits and its 16K-row root
+  # timing add to the budget: 150 s gave 171 s of wall on the 70-workload grid)
+  search_linear) run optimize_linear 420 python3 -m eval.optimize_gpu --out "$OUT/linear" --ops linear \
+                     --budget-s linear=${OPT_BUDGET_S:-240} --tiles-out "$TILES" ${OPT_ARGS:-}
                  use_tiles; run bench_linear 150 python3 -m eval.bench_linear --out "$W/csv" ;;
   # Tensor-parallel rollout on 2 GPUs (Qwen3-1.7B, Llama-3.2-1B configs): bitwise rate vs
   # TP = 1 engine and training forward, tokens/s; with CUDA graphs, then eager if that fails.
