@@ -203,9 +203,9 @@ for s in $STAGES; do case $s in
   optimize_linear) run optimize_linear 570 python3 -m eval.optimize_gpu --out "$OUT/linear" \
                      --ops linear --budget-s linear=${OPT_BUDGET_S:-420} ${OPT_ARGS:-} ;;
   # The linear search, then bench_linear on its promoted groups beside cuBLAS in the same call
-  # (they reach bench_linear through $TILES' "tuned" section; ~OPT_BUDGET_S + 2 min).
-  # (420 + 150 s of limits fit one 600 s call; the 84-workload grid's audits and its 16K-row root
-  # timing add to the budget: 150 s gave 171 s of wall on the 70-workload grid)
+  # (they reach bench_linear through $TILES' "tuned" section). The limits, 420 + 150 s, fit one
+  # 600 s call; audits and the root's timing come on top of the budget (150 s gave 171 s of wall
+  # on the 70-workload grid; the grid is now 84 workloads, up to 16384 rows).
   search_linear) run optimize_linear 420 python3 -m eval.optimize_gpu --out "$OUT/linear" --ops linear \
                      --budget-s linear=${OPT_BUDGET_S:-240} --tiles-out "$TILES" ${OPT_ARGS:-}
                  use_tiles; run bench_linear 150 python3 -m eval.bench_linear --out "$W/csv" ;;

@@ -368,8 +368,7 @@ def row_probes(dtype: torch.dtype, max_rows: int) -> list[int]:
     in tests/test_compile_keys.py) with ~500 calls instead of 16384."""
     configs = linear_candidates(dtype)
     block_ms = [cfg.block_m for cfg in configs] + ([64] if any(cfg.block_m > 64 for cfg in configs) else [])
-    bounds = [b for b in ({b for b, _ in buckets(dtype)} | ({*_TUNED_BOUNDS} if not interpreting() else set()))
-              if b is not None]
+    bounds = [b for b in {*(b for b, _ in buckets(dtype)), *search_bounds()} if b is not None]
     step = functools.reduce(math.gcd, block_ms + bounds)
     head = max(block_ms)
     return sorted({*range(1, min(head, max_rows) + 1), *range(head + 1, max_rows + 1, step)})
