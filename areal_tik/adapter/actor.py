@@ -4,6 +4,8 @@ bitwise audit and fallback live there, not here).
 
 With ``actor.unified_kernels`` off it is exactly ``FSDPPPOActor`` (every override starts
 by deferring to it), so one class can stand in for AReaL's everywhere (the ref model too).
+With ``actor.tik_training_model: hf`` (a stock baseline) the forward, log-prob and loss are
+AReaL's own over the Hugging Face model; the in-process engine and its weight sync stay.
 """
 from __future__ import annotations
 
@@ -104,12 +106,24 @@ class TikFSDPPPOActor(FSDPPPOActor):
             return False
         return True
 
+    @property
+    def hf_training(self) -> bool:
+        """The stock baseline's trainer: AReaL's own forward over the Hugging Face model
+        (``actor.tik_training_model: hf``), the areal-tik engine still serving rollouts."""
+        return self.tik_flag and getattr(self.config, "tik_training_model", "areal_tik") == "hf"
+
     def _create_llm_actor_or_critic(self):
         if not (self.tik_flag and self._unified_supports_model()):
             return super()._create_llm_actor_or_critic()
-        # The unified path never calls the HF attention; build the modules with SDPA so
-        # that no flash-attention install is needed for a flag that replaces it.
-        saved, self.config.attn_impl = self.config.attn_impl, "sdpa"
+        if self.hf_training:  # packed micro-batches need a varlen attention (``hf_attention``)
+            from . import hf_attention
+
+            attn = hf_attention.register()
+        else:
+            # The unified path never calls the HF attention; build the modules with SDPA so
+            # that no flash-attention install is needed for a flag that replaces it.
+            attn = "sdpa"
+        saved, self.config.attn_impl = self.config.attn_impl, attn
         try:
             return super()._create_llm_actor_or_critic()
         finally:
@@ -141,7 +155,12 @@ class TikFSDPPPOActor(FSDPPPOActor):
                                         temperature=float(self.config.temperature))
         self.config.skip_recompute_while(lambda: self.old_logprobs.reuse_active)
         self.tik_refuse(refusals)
-        if self.tik_model is not None:
+        if self.hf_training:
+            logger.info("areal-tik: the actor trains and recomputes with AReaL's own forward over the Hugging "
+                        "Face model (attn_implementation %r), the stock baseline; the rollout engine runs "
+                        "the %s kernels", getattr(getattr(self.model, "config", None), "_attn_implementation", "?"),
+                        self.config.tik_kernels)
+        elif self.tik_model is not None:
             self._warm_training_kernels()
             logger.info("areal-tik: actor forward runs %r; a differing bit in an audit or a first "
                         "minibatch: %s (actor.tik_on_mismatch, tik/on_mismatch=%d)", self.tik_model,
@@ -230,6 +249,9 @@ class TikFSDPPPOActor(FSDPPPOActor):
     def forward_backward_batch(self, mb_list, process_output_fn, forward_only: bool = False) -> None:
         if not self.tik_enabled:
             return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
+        if self.hf_training:  # AReaL's own forward, log-prob and loss over the HF model
+            with self._exclusive_kernels():
+                return super().forward_backward_batch(mb_list, process_output_fn, forward_only)
         with self._exclusive_kernels():
             for mb_item in mb_list:
                 inputs, ctx = self._prepare_mb_inputs(mb_item)

@@ -10,6 +10,8 @@ YAML (loaded by AReaL's own ``load_expr_config``; unknown keys still raise)::
       tik_audit_sequences: 4       # sequences recomputed per audit (0: the whole batch)
       tik_on_mismatch: recompute   # a differing bit: recompute from now on / warn / stop
       tik_kernels: unified         # "standard" runs the same code on stock kernels (baseline)
+      tik_training_model: areal_tik  # "hf": AReaL's own forward over the Hugging Face model
+                                   # (a baseline: needs tik_kernels standard, no reuse)
     rollout:
       backend: "sglang:d1"         # AReaL's parser needs an inference backend name; with
       tik_engine: auto             # tik_engine auto/inprocess the areal-tik engine serves it;
@@ -51,6 +53,7 @@ from .audit import REACTIONS
 from .sampling import UNSUPPORTED, unsupported_set
 
 TIK_ENGINE_MODES = ("auto", "inprocess", "server", "off")
+TRAINING_MODELS = ("areal_tik", "hf")
 
 
 @dataclass
@@ -89,6 +92,14 @@ class TikPPOActorConfig(PPOActorConfig):
                           "its log-probs to be reused (a tensor-parallel rollout needs k_groups a "
                           "multiple of its tensor_parallel_size)."})
 
+    tik_training_model: str = field(
+        default="areal_tik",
+        metadata={"help": "Whose model code the actor trains and recomputes with: 'areal_tik' (the "
+                          "areal-tik model on tik_kernels) or 'hf' (AReaL's own FSDP forward over the "
+                          "Hugging Face model, attention by torch's FlashAttention varlen: the stock "
+                          "baseline; needs tik_kernels 'standard' and tik_reuse_logprobs false).",
+                  "choices": list(TRAINING_MODELS)})
+
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.unified_kernels, bool):
@@ -103,6 +114,14 @@ class TikPPOActorConfig(PPOActorConfig):
             raise ValueError(f"actor.tik_kernels must be one of {KERNEL_SETS}, got {self.tik_kernels!r}")
         if isinstance(self.tik_k_groups, bool) or self.tik_k_groups not in PARALLEL_SIZES:
             raise ValueError(f"actor.tik_k_groups must be one of {PARALLEL_SIZES}, got {self.tik_k_groups!r}")
+        if self.tik_training_model not in TRAINING_MODELS:
+            raise ValueError(f"actor.tik_training_model must be one of {TRAINING_MODELS}, "
+                             f"got {self.tik_training_model!r}")
+        if self.tik_training_model == "hf" and (self.tik_kernels != "standard" or self.tik_reuse_logprobs):
+            # the Hugging Face forward's bits are not the engine's: reuse would be a biased ratio
+            raise ValueError("actor.tik_training_model='hf' is the stock baseline: it needs "
+                             "actor.tik_kernels='standard' and actor.tik_reuse_logprobs=false, got "
+                             f"{self.tik_kernels!r} and {self.tik_reuse_logprobs!r}")
         if self.unified_kernels:
             _validate_actor(self)
 

@@ -11,6 +11,9 @@ Overrides come last (after the options).
   standard torch kernels (``tik_kernels: standard``; the engine's elementwise ops compiled,
   its decode on FlashAttention), AReaL's recompute pass on
   (``recompute_logprob: true``, no reuse). AReaL's own SGLang/vLLM backends are not used.
+  ``--stock-training hf`` trains and recomputes with AReaL's own FSDP forward over the
+  Hugging Face model instead (``actor.tik_training_model: hf``: transformers' modules, AReaL's
+  compiled ``gather_logprobs``, attention by torch's FlashAttention varlen), the engine unchanged.
 - ``both``: ``tik`` then ``stock``, each in its own process, same seeds, data and
   overrides, one W&B group.
 
@@ -40,6 +43,9 @@ MODES = {
 }
 
 
+STOCK_TRAINING = ("areal_tik", "hf")
+
+
 def engine_overrides(mode: str, max_model_len: int, max_num_seqs: int) -> dict:
     """The engine options a mode sets. The stock mode's engine keeps each sequence's K/V in
     one block (a static per-sequence cache) so that its decode runs FlashAttention over the
@@ -64,10 +70,17 @@ def override_value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def mode_overrides(mode: str, max_model_len: int, max_num_seqs: int) -> list[str]:
+def mode_overrides(mode: str, max_model_len: int, max_num_seqs: int, stock_training: str = "areal_tik") -> list[str]:
+    """The overrides a mode adds to the recipe as asked; ``stock_training`` is the stock
+    mode's trainer (``actor.tik_training_model``: this project's model code or AReaL's over
+    the Hugging Face model)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {[*MODES, 'both']}, got {mode!r}")
-    return ([f"++actor.{k}={override_value(v)}" for k, v in MODES[mode].items()]
+    if stock_training not in STOCK_TRAINING:
+        raise ValueError(f"--stock-training must be one of {list(STOCK_TRAINING)}, got {stock_training!r}")
+    actor = dict(MODES[mode], **({"tik_training_model": stock_training}
+                                 if mode == "stock" and stock_training != "areal_tik" else {}))
+    return ([f"++actor.{k}={override_value(v)}" for k, v in actor.items()]
             + [f"++tik.{k}={override_value(v)}"
                for k, v in engine_overrides(mode, max_model_len, max_num_seqs).items()])
 
@@ -178,7 +191,8 @@ def train_tracked(config, metadata: dict, tik_rewards: list[float] = ()):
         perf_tracer.reset()  # process-global in AReaL
 
 
-def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -> Path:
+def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str],
+            stock_training: str = "areal_tik") -> Path:
     """One mode of recipe ``name`` in this process; returns its run file (with the
     process's seconds from here to just before writing it, and the checkpoint's)."""
     start = time.perf_counter()
@@ -195,7 +209,8 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
     folder = out / name / mode
     with patch_list.apply():
         asked = load_config(path, overrides)  # the recipe as asked: what both modes share
-        config = load_config(path, overrides + mode_overrides(mode, asked.tik.max_model_len, asked.tik.max_num_seqs)
+        config = load_config(path, overrides + mode_overrides(mode, asked.tik.max_model_len, asked.tik.max_num_seqs,
+                                                              stock_training)
                              + run_overrides(name, mode, folder, group))
         check_task(config.task)  # a verifier that cannot import or score stops the run here
         checkpoint_seconds = ensure_model(card, config.actor.path)
@@ -203,7 +218,8 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str]) -
                                 decode_attention_path(config.actor.path, config.actor.tik_kernels,
                                                       config.tik.kv_block_size, config.tik.max_model_len,
                                                       config.actor.dtype),
-                                engine_compiled_ops(config.actor.tik_kernels, config.tik.compile_standard_ops))
+                                engine_compiled_ops(config.actor.tik_kernels, config.tik.compile_standard_ops),
+                                training_model=config.actor.tik_training_model)
         digest = config_digest(asked)
         history, state = train_tracked(config, metadata, paired_rewards(folder, mode, digest))
     summary = state.summary()
@@ -219,6 +235,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", default="both", help="tik, stock or both (default)")
     parser.add_argument("--out", default="runs", help="runs go to OUT/<recipe>/<mode>/")
     parser.add_argument("--group", default=None, help="W&B group (default: <recipe>-seed<seed>)")
+    parser.add_argument("--stock-training", default="areal_tik", choices=STOCK_TRAINING,
+                        help="the stock mode's trainer: this project's model code on standard kernels "
+                             "(areal_tik, default) or AReaL's own FSDP forward over the Hugging Face model (hf)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value, Hydra syntax; after the options), both modes")
 
 
@@ -240,7 +259,7 @@ def main(args) -> int:
     group = args.group or f"{args.recipe}-seed{_seed_of(args.overrides)}"
     out = Path(args.out).resolve()
     if args.mode != "both":
-        print(f"wrote {run_one(args.recipe, args.mode, out, group, list(args.overrides))}")
+        print(f"wrote {run_one(args.recipe, args.mode, out, group, list(args.overrides), args.stock_training)}")
         return 0
     from areal_tik.runtime import use_interpreter_without_gpu
 
@@ -250,7 +269,7 @@ def main(args) -> int:
     codes = []
     for mode in MODES:  # each mode in its own process: AReaL keeps process-global state
         cmd = [sys.executable, "-m", "areal_tik.cli", "run", "--recipe", args.recipe, "--mode", mode, "--out", str(out),
-               "--group", group, *args.overrides]
+               "--group", group, "--stock-training", args.stock_training, *args.overrides]
         codes.append(subprocess.run(cmd, env=env).returncode)
         print(f"{args.recipe} {mode}: exit code {codes[-1]}", flush=True)
     return max(codes)

@@ -49,11 +49,12 @@ def _command_output(cmd: list[str], cwd=None) -> str | None:
 
 
 def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str = "unknown",
-                 compiled_ops=()) -> dict:
+                 compiled_ops=(), training_model: str = "areal_tik") -> dict:
     """Commit, device, driver and library versions of this process, the run's names, the
     paged decode attention its engine runs (``decode_attention_path``), the standard ops
     its engine runs under torch.compile (``EngineConfig.compile_standard_ops``) and the
-    trainer's token log-prob (``model.ops.standard_logprob_path`` for the standard set)."""
+    trainer's token log-prob (``model.ops.standard_logprob_path`` for the standard set) and
+    whose model code trains (``actor.tik_training_model``)."""
     import areal
     import torch
     import transformers
@@ -63,6 +64,8 @@ def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str 
 
     on_gpu = torch.cuda.is_available()
     logprob = "unified" if kernel_set == "unified" else standard_logprob_path("cuda" if on_gpu else "cpu")
+    if training_model == "hf":  # AReaL's own _compute_logprobs_and_loss: its gather_logprobs_entropy
+        logprob = "AReaL gather_logprobs_entropy (torch.compile)"
     driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {
         "commit": os.environ.get("AREAL_TIK_COMMIT") or _command_output(
@@ -72,7 +75,7 @@ def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str 
         "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
         "transformers": transformers.__version__, "areal": getattr(areal, "__version__", "unknown"),
         "kernel_set": kernel_set, "decode_attention": decode_attention, "compiled_ops": list(compiled_ops),
-        "logprob": logprob,
+        "logprob": logprob, "training_model": training_model,
         "recipe": recipe, "mode": mode,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -204,14 +204,16 @@ def real_weights(recipe: str) -> bool:
 
 def stock_decode(run: dict) -> str:
     """The stock run's path: its paged decode attention, with "+ torch.compile" when its
-    engine compiled the standard elementwise ops, and its trainer's token log-prob. Run
-    files from before a field ran what the standard set then had: the gather decode,
-    eagerly, and the log-prob materialised in fp32 over all rows."""
+    engine compiled the standard elementwise ops, its trainer's token log-prob, and the
+    trainer's model code when it is AReaL's over the Hugging Face model. Run files from
+    before a field ran what the standard set then had: the gather decode, eagerly, the
+    log-prob materialised in fp32 over all rows, this project's model code."""
     meta = run.get("metadata", {})
     path = meta.get("decode_attention") or "gather-sdpa"
     path = f"{path} + torch.compile" if meta.get("compiled_ops") else path
     logprob = re.sub(r" \(.*?\)", "", meta.get("logprob") or "materialised-fp32")
-    return f"{path}; log-prob {logprob}"
+    trainer = "; trainer AReaL FSDP over the HF model" if meta.get("training_model") == "hf" else ""
+    return f"{path}; log-prob {logprob}{trainer}"
 
 
 def summary_row(pair: Pair, warmup: int) -> dict:
