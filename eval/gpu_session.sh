@@ -178,7 +178,9 @@ for s in $STAGES; do case $s in
   # One decoder layer of 5 model configs, 6 phases (prefill, decode b1/16/64, training
   # forward/backward), unified vs standard kernels; ~3 min (Triton compiles per shape).
   bench_layers) run bench_layers 420 python3 -m eval.bench_layers --out "$W/csv" ;;
-  # RUN_LIMIT (s, default 570) bounds each run. The run's folder (run.json, logs; not
+  # RUN_LIMIT (s, default 570) bounds each run; RUN_ARGS adds options to `areal-tik run` (e.g.
+  # "--stock-training hf": the stock run trains with AReaL's own FSDP actor over the Hugging Face
+  # model; give it its own RUNS_OUT beside the default stock run's). The run's folder (run.json, logs; not
   # checkpoints) comes back in the call's tarball, so a machine released between calls loses
   # nothing; "report" over those folders can run here or afterwards on any machine.
   run_tik_*|run_stock_*) mode=${s#run_}; recipe=${mode#*_}; mode=${mode%%_*}
