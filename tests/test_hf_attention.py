@@ -50,6 +50,25 @@ def test_packed_sequences_attend_only_within_themselves(family):
     torch.testing.assert_close(packed_call(model, seqs), alone, rtol=1e-5, atol=1e-5)
 
 
+def test_packed_gradients_match_each_sequence_alone():
+    model = random_model(tiny_config("qwen3"), dtype=torch.float32)
+    seqs = random_sequences(model)
+    weights = torch.randn(sum(LENGTHS), model.config.vocab_size, generator=torch.Generator().manual_seed(2))
+
+    def grads(logits):
+        model.zero_grad()
+        (logits * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.set_attn_implementation("eager")
+    alone = grads(torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]))
+    model.set_attn_implementation(hf_attention.register())
+    packed = grads(packed_call(model, seqs))
+    assert packed.keys() == alone.keys() and any("self_attn.q_proj" in n for n in packed)
+    for name in alone:
+        torch.testing.assert_close(packed[name], alone[name], rtol=1e-4, atol=1e-4, msg=name)  # fp32 sums in another order
+
+
 @torch.no_grad()
 def test_sdpa_under_areals_call_attends_across_sequences():
     # The reason for the module: SDPA under the call AReaL makes (Qwen3: a mask mapping of
