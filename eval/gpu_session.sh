@@ -2,7 +2,7 @@
 # One H200 session: environment facts, the GPU contract suite, then the benchmarks.
 # Usage (on the GPU machine, repo root): bash eval/gpu_session.sh [STAGES...]
 #   stages: env tests bench_ops probe_block_k sweep_logprob sweep_linear bench_attn probe_attn probe_mixed probe_std_decode probe_decode_step probe_decode_b<N> probe_decode_latency probe_host startup qualify check check_<model> bench_rollout bench_prefix
-#           stage deps vllm_stage vllm_deps check_areal_vllm bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock} grpo_qwen3_{tik,stock}
+#           stage deps vllm_stage vllm_deps check_areal_vllm bench_vllm_<model> grpo_smoke grpo_server grpo_smollm2_{tik,stock,stock_hf} grpo_qwen3_{tik,stock,stock_hf}
 #           bench_train bench_train_<model> (qwen3-0.6b, qwen3-1.7b, llama-3.2-1b) bench_train_cache bench_layers
 #           linear_tree (= tree_tests + tree_cost: two calls' worth) tree_tests tree_cost
 #           run_<tik|stock>_<recipe> (one mode of a recipes/ recipe; run files kept in $RUNS_OUT)
@@ -155,7 +155,7 @@ for s in $STAGES; do case $s in
   grpo_server) run grpo_server 420 python3 -m eval.bench_grpo --model smollm2 --modes tik --steps 4 \
                 --tik-engine server --weight-update-mode xccl --audit-every 1 --out "$W/csv" --workdir /tmp/grpo-server ;;
   grpo_smoke) run grpo_smoke 420 python3 -m eval.bench_grpo --model smollm2 --steps 3 --out "$W/csv" --workdir /tmp/grpo-smoke ;;
-  grpo_*_*) model=${s#grpo_}; mode=${model#*_}; model=${model%_*}
+  grpo_*_*) model=${s#grpo_}; mode=${model#*_}; model=${model%%_*}  # e.g. grpo_smollm2_stock_hf
             [ "$model" = qwen3 ] && model=qwen3-0.6b
             run "$s" 560 python3 -m eval.bench_grpo --model "$model" --modes "$mode" --steps "${GRPO_STEPS:-20}" \
                 --max-new-tokens "${GRPO_MAX_NEW:-128}" --out "$GRPO_OUT" --workdir /tmp/grpo-bench --with-existing

@@ -33,6 +33,17 @@ def test_summary_ratios_leave_out_the_warmup_steps():
     assert any(line.startswith("tik") and " 1000 " in line for line in lines)
 
 
+def test_each_stock_path_gets_its_own_ratio():
+    tik = step_rows("m", "tik", history([9.0, 2.0], [0, 0], [1000, 1000], [0.1, 0.1]), {})
+    stock = step_rows("m", "stock", history([9.0, 4.0], [1.0, 1.0], [1000, 1000], [0.1, 0.1]), {})
+    hf = step_rows("m", "stock_hf", history([9.0, 5.0], [2.0, 2.0], [1000, 1000], [0.1, 0.1]), {})
+    lines = summarize(tik + stock + hf, warmup=1)
+    ratios = [line for line in lines if line.startswith("throughput ratio")]
+    assert ratios == ["throughput ratio tik/stock (tokens/s): 2.000x; step time ratio stock/tik: 2.000x",
+                      "throughput ratio tik/stock_hf (tokens/s): 2.500x; step time ratio stock_hf/tik: 2.500x"]
+    assert any("stock_hf step without recompute_logp 3.000 s (ratio 1.667x" in line for line in lines)
+
+
 def test_summary_of_one_mode_has_no_ratio():
     rows = step_rows("m", "tik", history([3.0, 2.0], [0, 0], [10, 10], [0.0, 0.5]), {})
     lines = summarize(rows, warmup=1)
@@ -49,7 +60,7 @@ def test_unknown_mode_is_named(bad, capsys):
     assert "unknown mode" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode", ["tik", "stock"])
+@pytest.mark.parametrize("mode", ["tik", "stock", "stock_hf"])
 def test_each_mode_is_the_shipped_recipe_plus_overrides(mode, tmp_path):
     # The benchmark loads recipes/*.yaml through AReaL's loader: the engine sizes land in
     # the tik: block and the mode's actor options in actor, nothing else is copied.
@@ -67,5 +78,7 @@ def test_each_mode_is_the_shipped_recipe_plus_overrides(mode, tmp_path):
     assert config.actor.tik_reuse_logprobs is MODES[mode]["tik_reuse_logprobs"]
     assert config.experiment_name == f"grpo-bench-tiny-{mode}"
     # as the recipes' stock mode: one block holds a 192-token sequence, one block per sequence
-    assert (config.tik.kv_block_size, config.tik.num_kv_blocks) == ((256, 7) if mode == "stock" else (64, None))
-    assert config.tik.compile_standard_ops is (mode == "stock")  # a bool, not the string "True"
+    stock = mode.startswith("stock")  # both stock trainers run the stock engine
+    assert (config.tik.kv_block_size, config.tik.num_kv_blocks) == ((256, 7) if stock else (64, None))
+    assert config.tik.compile_standard_ops is stock  # a bool, not the string "True"
+    assert config.actor.tik_training_model == ("hf" if mode == "stock_hf" else "areal_tik")
