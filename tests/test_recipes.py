@@ -2,6 +2,8 @@
 configurations load, fill the cells their cards claim, and the README table is theirs."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from areal_tik.adapter import apply_patches, recipes
@@ -67,10 +69,20 @@ def test_an_unknown_recipe_lists_the_recipes():
 def test_run_command_answers_a_bad_recipe_or_mode_with_the_choices(capsys):
     from areal_tik.cli import main
 
-    with pytest.raises(ValueError, match="no recipe named 'nope'.*basic_arithmetic_grpo_smollm2"):
-        main(["run", "--recipe", "nope"])
-    with pytest.raises(ValueError, match=r"--mode must be one of \['tik', 'stock', 'both'\], got 'fast'"):
-        main(["run", "--recipe", "chain_sum_grpo_tiny_cpu", "--mode", "fast"])
+    bad = [(["--recipe", "nope"], "no recipe named 'nope'.*basic_arithmetic_grpo_smollm2"),
+           (["--recipe", "chain_sum_grpo_tiny_cpu", "--mode", "fast"],
+            r"--mode must be one of \['tik', 'stock', 'both'\], got 'fast'"),
+           (["--recipe", "chain_sum_grpo_tiny_cpu", "--stock-training", "vllm"],
+            r"--stock-training must be one of \['areal_tik', 'hf'\], got 'vllm'"),
+           (["--recipe", "chain_sum_grpo_tiny_cpu", "--mode", "tik", "--stock-training", "hf"],
+            "--stock-training hf names the stock run's trainer")]
+    for argv, message in bad:  # one line on stderr, exit code 2, no traceback
+        capsys.readouterr()
+        assert main(["run", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(f"areal-tik: error: {message}", err) and "Traceback" not in err, (argv, err)
+        with pytest.raises(ValueError, match=message):  # --debug shows the error itself
+            main(["--debug", "run", *argv])
     assert main(["run", "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in listed] == [c.name for c in recipes.CARDS]

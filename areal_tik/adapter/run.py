@@ -43,9 +43,6 @@ MODES = {
 }
 
 
-STOCK_TRAINING = ("areal_tik", "hf")
-
-
 def engine_overrides(mode: str, max_model_len: int, max_num_seqs: int) -> dict:
     """The engine options a mode sets. The stock mode's engine keeps each sequence's K/V in
     one block (a static per-sequence cache) so that its decode runs FlashAttention over the
@@ -74,10 +71,12 @@ def mode_overrides(mode: str, max_model_len: int, max_num_seqs: int, stock_train
     """The overrides a mode adds to the recipe as asked; ``stock_training`` is the stock
     mode's trainer (``actor.tik_training_model``: this project's model code or AReaL's over
     the Hugging Face model)."""
+    from .config import TRAINING_MODELS  # AReaL's config classes: not loaded for --list
+
     if mode not in MODES:
         raise ValueError(f"mode must be one of {[*MODES, 'both']}, got {mode!r}")
-    if stock_training not in STOCK_TRAINING:
-        raise ValueError(f"--stock-training must be one of {list(STOCK_TRAINING)}, got {stock_training!r}")
+    if stock_training not in TRAINING_MODELS:
+        raise ValueError(f"--stock-training must be one of {list(TRAINING_MODELS)}, got {stock_training!r}")
     actor = dict(MODES[mode], **({"tik_training_model": stock_training}
                                  if mode == "stock" and stock_training != "areal_tik" else {}))
     return ([f"++actor.{k}={override_value(v)}" for k, v in actor.items()]
@@ -235,7 +234,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", default="both", help="tik, stock or both (default)")
     parser.add_argument("--out", default="runs", help="runs go to OUT/<recipe>/<mode>/")
     parser.add_argument("--group", default=None, help="W&B group (default: <recipe>-seed<seed>)")
-    parser.add_argument("--stock-training", default="areal_tik", choices=STOCK_TRAINING,
+    parser.add_argument("--stock-training", default="areal_tik",
                         help="the stock mode's trainer: this project's model code on standard kernels "
                              "(areal_tik, default) or AReaL's own FSDP forward over the Hugging Face model (hf)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value, Hydra syntax; after the options), both modes")
@@ -246,16 +245,27 @@ def _seed_of(overrides: list[str]) -> str:
     return found[-1] if found else "1"
 
 
-def main(args) -> int:
+def validate(args) -> None:
+    """The options before anything runs (the CLI reports a ValueError here as a usage error)."""
     if args.list:
-        for c in recipes.CARDS:
-            print(f"{c.name:45} {c.model:22} {c.algorithm:10} {c.measures}")
-        return 0
+        return
     if args.recipe is None:
         raise ValueError(f"name a recipe; the recipes are: {', '.join(recipes.recipe_names())}")
     recipes.recipe_file(args.recipe)
     if args.mode not in (*MODES, "both"):
         raise ValueError(f"--mode must be one of {[*MODES, 'both']}, got {args.mode!r}")
+    mode_overrides("stock", 1, 1, args.stock_training)  # a bad --stock-training fails here, naming the choices
+    if args.mode == "tik" and args.stock_training != "areal_tik":
+        raise ValueError(f"--stock-training {args.stock_training} names the stock run's trainer; a tik run "
+                         "trains on the unified kernels (use --mode stock or both)")
+
+
+def main(args) -> int:
+    if args.list:
+        for c in recipes.CARDS:
+            print(f"{c.name:45} {c.model:22} {c.algorithm:10} {c.measures}")
+        return 0
+    validate(args)  # also when called without the CLI
     group = args.group or f"{args.recipe}-seed{_seed_of(args.overrides)}"
     out = Path(args.out).resolve()
     if args.mode != "both":
@@ -269,7 +279,8 @@ def main(args) -> int:
     codes = []
     for mode in MODES:  # each mode in its own process: AReaL keeps process-global state
         cmd = [sys.executable, "-m", "areal_tik.cli", "run", "--recipe", args.recipe, "--mode", mode, "--out", str(out),
-               "--group", group, "--stock-training", args.stock_training, *args.overrides]
+               "--group", group, *(["--stock-training", args.stock_training] if mode == "stock" else []),
+               *args.overrides]
         codes.append(subprocess.run(cmd, env=env).returncode)
         print(f"{args.recipe} {mode}: exit code {codes[-1]}", flush=True)
     return max(codes)
