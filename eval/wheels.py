@@ -2,6 +2,7 @@
 
     python3 -m eval.wheels check requirements/gpu-vllm.txt      # every line an exact pin
     python3 -m eval.wheels prune DIR requirements/gpu-vllm.txt  # drop `# prune:` members
+    python3 -m eval.wheels forget-origin SITE                   # drop pip's direct_url.json
 
 A list is one exact pin a line (``name==version``, a trailing ``# why`` comment allowed),
 plus ``# prune: <dist> <member>`` lines: members of that distribution's wheel that the
@@ -102,6 +103,23 @@ def prune_dir(folder, wheels: WheelList) -> None:
                   f"{path.stat().st_size / 1e6:.1f} MB")
 
 
+def forget_origin(site) -> int:
+    """Drop pip's ``direct_url.json`` (the local path each wheel was installed from) from every
+    ``*.dist-info`` in ``site``, and its RECORD line: a packed site names no build folder and
+    the same wheels pack to the same bytes. Returns how many were dropped."""
+    dropped = 0
+    for record in sorted(Path(site).glob("*.dist-info/RECORD")):
+        origin = record.parent / "direct_url.json"
+        if not origin.exists():
+            continue
+        origin.unlink()
+        name = f"{record.parent.name}/direct_url.json"
+        lines = record.read_text().splitlines()
+        record.write_text("".join(f"{r}\n" for r in lines if r.split(",", 1)[0] != name))
+        dropped += 1
+    return dropped
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "check":
@@ -109,10 +127,12 @@ def main(argv=None) -> int:
         print(f"{argv[1]}: {len(wheels.pins)} exact pins, prune rules for {sorted(wheels.prune)}")
     elif len(argv) == 3 and argv[0] == "prune":
         prune_dir(argv[1], load(argv[2]))
+    elif len(argv) == 2 and argv[0] == "forget-origin":  # scripts/gpu_wheels.sh, scripts/unpack_carry.sh
+        forget_origin(argv[1])
     elif len(argv) == 2 and argv[0] == "pins":  # the pins one a line, for pip
         print("\n".join(f"{n}=={v}" for n, v in load(argv[1]).pins.items()))
     else:
-        raise SystemExit("usage: python3 -m eval.wheels check LIST | pins LIST | prune DIR LIST")
+        raise SystemExit("usage: python3 -m eval.wheels check LIST | pins LIST | prune DIR LIST | forget-origin SITE")
     return 0
 
 

