@@ -248,6 +248,49 @@ def test_standard_logprobs_chunk_as_areals_gather(monkeypatch):
     assert ops_module.standard_logprob_path("cpu") == "chunked-eager (4 rows)"
 
 
+def test_the_log_prob_labels_say_whether_areals_gather_is_compiled(monkeypatch):
+    """AReaL wraps gather_logprobs(_entropy) in torch.compile at import; with Dynamo disabled
+    the wrapper runs eagerly and the run file must not say torch.compile. The report drops
+    parentheses, so the difference sits outside them."""
+    import torch._dynamo
+    from areal.utils.functional import vocab_parallel
+
+    assert hasattr(vocab_parallel._gather_logprobs_entropy, "_torchdynamo_orig_callable")  # AReaL compiled it
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    assert ops_module.areal_gather_compiled()
+    assert ops_module.standard_logprob_path("cuda") == "areal-gather-chunked (torch.compile, 1024 rows)"
+    assert ops_module.areal_gather_label() == "AReaL gather_logprobs_entropy (torch.compile)"
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    assert not ops_module.areal_gather_compiled()
+    assert ops_module.standard_logprob_path("cuda") == "areal-gather-eager (Dynamo disabled, 1024 rows)"
+    assert ops_module.areal_gather_label().startswith("AReaL gather_logprobs_entropy, eager")
+    # not on a GPU the standard set never calls AReaL's gather
+    assert ops_module.standard_logprob_path("cpu") == "chunked-eager (1024 rows)"
+
+
+def test_the_attention_label_names_a_varlen_fallback(monkeypatch):
+    """A stock run whose torch varlen_attn failed trains on SDPA per sequence from then on:
+    the label read after the run says so (with the first error), and the report's stock path
+    names it; a run that never failed reads flash-varlen."""
+    from areal_tik.report.runs import stock_decode
+
+    assert ops_module.standard_attention_path("cpu") == "sdpa-per-sequence (not on a GPU)"
+    monkeypatch.setattr(ops_module, "_flash_varlen_failed", [])
+    monkeypatch.setattr(ops_module, "_flash_varlen", lambda: ("varlen", {"is_causal": True}, True, True))
+    assert ops_module.standard_attention_path("cuda") == "flash-varlen (torch)"
+    ops_module._flash_varlen_failed.append("head_dim 96 unsupported")
+    fallback = ops_module.standard_attention_path("cuda")
+    assert fallback == "sdpa-per-sequence fallback (varlen_attn failed: head_dim 96 unsupported)"
+    monkeypatch.setattr(ops_module, "_flash_varlen", lambda: None)
+    assert ops_module.standard_attention_path("cuda").startswith("sdpa-per-sequence fallback (this torch")
+    meta = {"decode_attention": "flash-seqused", "logprob": "areal-gather-chunked (torch.compile, 1024 rows)"}
+    assert stock_decode({"metadata": meta}) == "flash-seqused; log-prob areal-gather-chunked"
+    assert stock_decode({"metadata": {**meta, "training_attention": "flash-varlen (torch)"}}) == \
+        "flash-seqused; log-prob areal-gather-chunked"
+    assert stock_decode({"metadata": {**meta, "training_attention": fallback}}) == \
+        "flash-seqused; log-prob areal-gather-chunked; training attention SDPA per sequence (varlen fallback)"
+
+
 @pytest.mark.gpu
 def test_gpu_standard_logprobs_run_areals_gather():
     """On a GPU the standard log-prob is AReaL's compiled, chunked gather_logprobs(_entropy):

@@ -197,6 +197,7 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str],
     start = time.perf_counter()
     from . import patch_list
     from areal_tik.model.ops import engine_compiled_ops
+    from .run_file import training_attention_path
 
     from .demo import load_config
     from .launch import spmd_environment
@@ -221,6 +222,7 @@ def run_one(name: str, mode: str, out: Path, group: str, overrides: list[str],
                                 training_model=config.actor.tik_training_model)
         digest = config_digest(asked)
         history, state = train_tracked(config, metadata, paired_rewards(folder, mode, digest))
+    metadata["training_attention"] = training_attention_path(config.actor.tik_kernels)
     summary = state.summary()
     return write_run_file(folder, recipe=name, mode=mode, config=config, digest=digest, group=group,
                           metadata=metadata, history=history, summary=summary,

@@ -6,7 +6,9 @@
      "steps": N, "config_digest": sha256 of the recipe as asked (mode and run folders left
      out, so both runs of a comparison share it), "group": the W&B group,
      "metadata": {commit, gpu, driver, torch, triton, cuda, transformers, areal,
-                  kernel_set, recipe, mode, date},
+                  kernel_set, decode_attention, compiled_ops, logprob, training_model,
+                  recipe, mode, date, and training_attention: set after the steps, since
+                  the standard set's varlen attention can fall back at run time},
      "summary": the audit/reuse summary, "per_step": [{"step", "reward", "tokens",
      "generated_tokens", "step_seconds", "tokens_per_s", "phases": {...}, "tik": {...}}],
      "process_seconds": wall time of the run from the start of ``run_one`` (before config
@@ -60,12 +62,12 @@ def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str 
     import transformers
     import triton
 
-    from areal_tik.model.ops import standard_logprob_path
+    from areal_tik.model.ops import areal_gather_label, standard_logprob_path
 
     on_gpu = torch.cuda.is_available()
     logprob = "unified" if kernel_set == "unified" else standard_logprob_path("cuda" if on_gpu else "cpu")
     if training_model == "hf":  # AReaL's own _compute_logprobs_and_loss: its gather_logprobs_entropy
-        logprob = "AReaL gather_logprobs_entropy (torch.compile)"
+        logprob = areal_gather_label()
     driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {
         "commit": os.environ.get("AREAL_TIK_COMMIT") or _command_output(
@@ -79,6 +81,18 @@ def run_metadata(recipe: str, mode: str, kernel_set: str, decode_attention: str 
         "recipe": recipe, "mode": mode,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def training_attention_path(kernel_set: str) -> str:
+    """The packed attention this process's trainer ran, read after the run (a fallback to
+    SDPA per sequence happens at run time): ``metadata.training_attention``."""
+    import torch
+
+    from areal_tik.model.ops import standard_attention_path
+
+    if kernel_set == "unified":
+        return "unified"
+    return standard_attention_path("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def config_digest(config) -> str:

@@ -172,10 +172,35 @@ def _warn_eager_logprobs() -> None:
                   "chunks eagerly on the GPU, not AReaL's compiled gather_logprobs", RuntimeWarning, stacklevel=3)
 
 
+def areal_gather_compiled() -> bool:
+    """Whether AReaL's gather_logprobs(_entropy) run compiled in this process. AReaL 1.0.4
+    wraps them in torch.compile at import (not on NPUs); a process with Dynamo disabled
+    (``TORCHDYNAMO_DISABLE=1``, as the CPU tests run) calls the same wrappers eagerly."""
+    try:
+        from areal.utils.functional import vocab_parallel
+    except ImportError:
+        return False
+    import torch._dynamo
+
+    wrapped = hasattr(getattr(vocab_parallel, "_gather_logprobs_entropy", None), "_torchdynamo_orig_callable")
+    return wrapped and not torch._dynamo.config.disable
+
+
+def areal_gather_label() -> str:
+    """The run file's name for AReaL's own ``gather_logprobs_entropy`` (the trainer over the
+    Hugging Face model calls it): compiled or eager, outside the parentheses, so that the
+    report, which drops them, keeps the two apart."""
+    if areal_gather_compiled():
+        return "AReaL gather_logprobs_entropy (torch.compile)"
+    return "AReaL gather_logprobs_entropy, eager (Dynamo disabled or not available)"
+
+
 def standard_logprob_path(device) -> str:
     """What ``_std_token_logprobs`` runs on ``device``: the name a run file records."""
     if torch.device(device).type == "cuda" and _areal_gather() is not None:
-        return f"areal-gather-chunked (torch.compile, {LOGPROB_CHUNK} rows)"
+        if areal_gather_compiled():
+            return f"areal-gather-chunked (torch.compile, {LOGPROB_CHUNK} rows)"
+        return f"areal-gather-eager (Dynamo disabled, {LOGPROB_CHUNK} rows)"
     return f"chunked-eager ({LOGPROB_CHUNK} rows)"
 
 
@@ -236,7 +261,22 @@ def _flash_varlen():
     return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
-_flash_varlen_failed: list[str] = []
+_flash_varlen_failed: list[str] = []  # why torch's varlen_attn failed: every later call takes SDPA
+
+
+def standard_attention_path(device) -> str:
+    """What the standard set's packed attention (training, recompute, the engine's prefill)
+    has run in this process on ``device``, as a run file records it after the run
+    (``metadata.training_attention``): torch's FlashAttention varlen, or SDPA per sequence
+    (a host loop) where it is unavailable or, on a GPU, after it failed once (a fallback
+    the stock run's speed depends on, so the report names it)."""
+    if torch.device(device).type != "cuda":
+        return "sdpa-per-sequence (not on a GPU)"
+    if _flash_varlen() is None:
+        return "sdpa-per-sequence fallback (this torch has no usable varlen_attn)"
+    if _flash_varlen_failed:
+        return f"sdpa-per-sequence fallback (varlen_attn failed: {_flash_varlen_failed[0][:200]})"
+    return "flash-varlen (torch)"
 
 
 def _flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale):

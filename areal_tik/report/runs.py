@@ -205,7 +205,8 @@ def real_weights(recipe: str) -> bool:
 def stock_decode(run: dict) -> str:
     """The stock run's path: its paged decode attention, with "+ torch.compile" when its
     engine compiled the standard elementwise ops, its trainer's token log-prob, and the
-    trainer's model code when it is AReaL's over the Hugging Face model. Run files from
+    trainer's model code when it is AReaL's over the Hugging Face model, and its packed
+    attention when a GPU run fell back to SDPA per sequence. Run files from
     before a field ran what the standard set then had: the gather decode, eagerly, the
     log-prob materialised in fp32 over all rows, this project's model code."""
     meta = run.get("metadata", {})
@@ -213,6 +214,8 @@ def stock_decode(run: dict) -> str:
     path = f"{path} + torch.compile" if meta.get("compiled_ops") else path
     logprob = re.sub(r" \(.*?\)", "", meta.get("logprob") or "materialised-fp32")
     trainer = "; trainer AReaL FSDP over the HF model" if meta.get("training_model") == "hf" else ""
+    if (meta.get("training_attention") or "").startswith("sdpa-per-sequence fallback"):
+        trainer += "; training attention SDPA per sequence (varlen fallback)"
     return f"{path}; log-prob {logprob}{trainer}"
 
 
