@@ -67,12 +67,47 @@ def test_summary_ratios_are_the_hand_computed_ones(tmp_path):
     assert row["reward_ratio_steps"] == 2
     assert row["reward_ratio_mean"] == pytest.approx(1.25) and row["reward_ratio_spread"] == pytest.approx(0.25)
     # the ratio of the mean rewards (every step: (0.5 + 0.6 + 0.9) / 3 over (0.5 + 0.4 + 0) / 3) and its
-    # delta-method error from each run's per-step spread (sample sd / sqrt(3), relative to its mean)
+    # delta-method error from each run's per-step spread (sample sd / sqrt(3), relative to its mean) ...
     tik_rel = math.sqrt(((0.5 - 2 / 3) ** 2 + (0.6 - 2 / 3) ** 2 + (0.9 - 2 / 3) ** 2) / 2 / 3) / (2 / 3)
     stock_rel = math.sqrt((0.2 ** 2 + 0.1 ** 2 + 0.3 ** 2) / 2 / 3) / 0.3
-    assert row["reward_ratio_of_means"] == pytest.approx((2 / 3) / 0.3)
-    assert row["reward_ratio_of_means_se"] == pytest.approx((2 / 3) / 0.3 * math.hypot(tik_rel, stock_rel))
+    ratio = (2 / 3) / 0.3
+    assert row["reward_ratio_of_means"] == pytest.approx(ratio)
+    assert row["reward_ratio_of_means_se_unpaired"] == pytest.approx(ratio * math.hypot(tik_rel, stock_rel))
+    # ... less, paired by step, twice the relative covariance: here the rewards move against each other
+    # (step 3: tik 0.9, stock 0), a negative covariance, so the paired error is the wider one
+    cov = ((0.5 - 2 / 3) * 0.2 + (0.6 - 2 / 3) * 0.1 + (0.9 - 2 / 3) * -0.3) / 2
+    assert cov < 0
+    paired = ratio * math.sqrt(tik_rel ** 2 + stock_rel ** 2 - 2 * cov / 3 / ((2 / 3) * 0.3))
+    assert row["reward_ratio_of_means_se"] == pytest.approx(paired) and paired > row["reward_ratio_of_means_se_unpaired"]
+    corr = cov / math.sqrt(((0.5 - 2 / 3) ** 2 + (0.6 - 2 / 3) ** 2 + (0.9 - 2 / 3) ** 2) / 2 * (0.14 / 2))
+    assert row["reward_step_correlation"] == pytest.approx(corr)
     assert means["throughput_whole"] == row["throughput_whole"] and means["paper_throughput"] == 1.10
+
+
+def test_paired_steps_narrow_the_error_when_the_runs_move_together():
+    """Two runs that share each step's prompts: the step-to-step swing both runs see cancels in
+    the paired error, not in the unpaired one; identical runs have ratio 1 with zero paired
+    error; a step without a reward in either run drops out of both means; and the pooled
+    ratio over recipes weights each by its inverse variance."""
+    from areal_tik.report.runs import pooled_ratio, reward_ratio_of_means
+
+    swing = [0.1, 0.5, 0.2, 0.6, 0.3]  # easy and hard batches
+    tik = {"per_step": [{"reward": r + 0.01 * (i % 2)} for i, r in enumerate(swing)]}
+    stock = {"per_step": [{"reward": r} for r in swing]}
+    got = reward_ratio_of_means(tik, stock)
+    assert got.step_correlation > 0.99 and got.se < got.se_unpaired / 10
+    same = reward_ratio_of_means(stock, stock)
+    assert same.ratio == 1.0 and same.se == 0.0 and same.se_unpaired > 0
+    holed = {"per_step": [{"reward": float("nan")}, *stock["per_step"][1:]]}
+    assert reward_ratio_of_means(tik, holed).ratio == pytest.approx(sum(r + 0.01 * (i % 2) for i, r in enumerate(swing) if i)
+                                                                      / sum(swing[1:]))
+    assert math.isnan(reward_ratio_of_means({"per_step": [{"reward": 0.0}] * 3}, stock).ratio)
+    rows = [{"reward_ratio_of_means": 1.1, "reward_ratio_of_means_se": 0.1},
+            {"reward_ratio_of_means": 0.9, "reward_ratio_of_means_se": 0.05},
+            {"reward_ratio_of_means": 5.0, "reward_ratio_of_means_se": float("nan")}]
+    pooled, se = pooled_ratio(rows)  # weights 100 and 400
+    assert pooled == pytest.approx((100 * 1.1 + 400 * 0.9) / 500) and se == pytest.approx(1 / math.sqrt(500))
+    assert all(math.isnan(x) for x in pooled_ratio(rows[2:]))
 
 
 @pytest.mark.parametrize("field, tik_kw, stock_kw, named", [
@@ -178,7 +213,7 @@ def test_offline_report_of_two_tiny_cpu_runs(tmp_path):
     assert stock["metadata"]["compiled_ops"] == list(COMPILED_STANDARD_OPS) and tik["metadata"]["compiled_ops"] == []
     assert tik["metadata"]["logprob"] == "unified" and stock["metadata"]["logprob"] == "chunked-eager (1024 rows)"
     assert row[8] == "gather-sdpa (not on a GPU) + torch.compile; log-prob chunked-eager"
-    assert row[9] == "n/a +/- n/a"  # one step: no spread to give an error
+    assert row[9] == "n/a +/- n/a (n/a)"  # one step: no spread to give an error, paired or not
     assert "These means mix" not in page
     assert (out / "chain_sum_grpo_tiny_cpu.png").stat().st_size > 10_000
     assert "Runs on a CPU" in page  # the interpreted kernels' throughput is flagged

@@ -43,13 +43,16 @@ def main(args) -> int:
         print(f"{r['recipe']}: throughput {fmt(r['throughput_whole'])} whole, {fmt(r['throughput_steady'])} "
               f"steady, {fmt(r['throughput_process'])} whole process; reward ratio {fmt(r['reward_ratio_mean'])} "
               f"+/- {fmt(r['reward_ratio_spread'], '')} (of the mean rewards {fmt(r['reward_ratio_of_means'])} "
-              f"+/- {fmt(r['reward_ratio_of_means_se'], '')} s.e.); "
+              f"+/- {fmt(r['reward_ratio_of_means_se'], '')} s.e. paired by step, "
+              f"{fmt(r['reward_ratio_of_means_se_unpaired'], '')} unpaired); "
               f"audit: {r['audit']}; stock path: {r['stock_decode']}")
     print(f"mean over {len(rows)}: throughput {fmt(means['throughput_whole'])} whole, "
           f"{fmt(means['throughput_steady'])} steady, {fmt(means['throughput_process'])} whole process "
           f"(over {means['throughput_process_configurations']}) (paper 1.10x); reward ratio "
           f"{fmt(means['reward_ratio_mean'])}, over the {means['reward_ratio_real_configurations']} with real "
-          f"weights {fmt(means['reward_ratio_mean_real'])} (paper 1.00x)")
+          f"weights {fmt(means['reward_ratio_mean_real'])}, their ratios of mean rewards pooled "
+          f"{fmt(means['reward_ratio_of_means_real_pooled'])} +/- {fmt(means['reward_ratio_of_means_real_pooled_se'], '')} "
+          f"(paper 1.00x)")
     if len(means["stock_decode_paths"]) > 1:
         print(f"note: these means mix stock paths ({', '.join(means['stock_decode_paths'])})")
     if len(means["gpus"]) > 1:

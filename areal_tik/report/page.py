@@ -82,7 +82,8 @@ SUMMARY_COLUMNS = (("recipe", "recipe"), ("steps", "steps"), ("throughput_whole"
                    ("throughput_process", "throughput tik/stock (whole process)"),
                    ("reward_ratio_mean", "reward ratio (mean)"), ("reward_ratio_spread", "reward ratio (spread)"),
                    ("audit", "audit"), ("stock_decode", "stock path (decode attention, compiled ops; training log-prob)"),
-                   ("reward_ratio_of_means", "reward ratio of the runs' mean rewards (+/- 1 s.e.)"),
+                   ("reward_ratio_of_means", "reward ratio of the runs' mean rewards (+/- 1 s.e., paired by step; "
+                                             "unpaired s.e.)"),
                    ("run", "GPU, commit"))
 
 
@@ -93,7 +94,8 @@ def _cell(key: str, row: dict) -> str:
     if key == "reward_ratio_spread":
         return fmt(value, "")
     if key == "reward_ratio_of_means":
-        return f"{fmt(value)} +/- {fmt(row['reward_ratio_of_means_se'], '')}"
+        return (f"{fmt(value)} +/- {fmt(row['reward_ratio_of_means_se'], '')} "
+                f"({fmt(row['reward_ratio_of_means_se_unpaired'], '')})")
     return html.escape(str(value))
 
 
@@ -113,7 +115,9 @@ def summary_html(rows: list[dict], means: dict) -> str:
                          fmt(means["throughput_steady"]), process, fmt(means["reward_ratio_mean"])])
             + _tr("mean", [f"mean over the {means['reward_ratio_real_configurations']} real-weight "
                            "configurations (the reward ratio's target)", "", "", "", "",
-                           fmt(means["reward_ratio_mean_real"])])
+                           fmt(means["reward_ratio_mean_real"]), "", "", "",
+                           f"{fmt(means['reward_ratio_of_means_real_pooled'])} +/- "
+                           f"{fmt(means['reward_ratio_of_means_real_pooled_se'], '')} (pooled, inverse-variance)"])
             + "".join(_tr("mean", [f"mean over the {m['configurations']} with stock path {html.escape(path)}", "",
                                    fmt(m["throughput_whole"]), fmt(m["throughput_steady"]), fmt(m["throughput_process"])])
                       for path, m in means.get("by_stock_path", {}).items())

@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 RUN_FILE = "run.json"
 PAPER_THROUGHPUT, PAPER_REWARD = 1.10, 1.00
@@ -167,20 +168,55 @@ def reward_ratios(tik: dict, stock: dict) -> list[float]:
             if b["reward"] != 0 and not math.isnan(a["reward"] + b["reward"])]
 
 
-def reward_ratio_of_means(tik: dict, stock: dict) -> tuple[float, float]:
-    """(mean tik reward / mean stock reward, its standard error). The error is the delta
-    method's from each run's per-step rewards (steps taken as independent draws, sample
-    standard deviation over sqrt(steps)); a learning curve that rises widens it. NaN when a
-    mean is 0 or a run has fewer than two steps with a reward."""
-    values = [[s["reward"] for s in run["per_step"] if not math.isnan(s["reward"])] for run in (tik, stock)]
-    if min(len(v) for v in values) < 2:
+class RatioOfMeans(NamedTuple):
+    ratio: float           # mean tik reward / mean stock reward, over the steps both have a reward
+    se: float              # its standard error, paired by step (the steps' shared prompts cancel)
+    se_unpaired: float     # the same, each run's steps taken as independent of the other's
+    step_correlation: float  # Pearson correlation of the two runs' per-step rewards
+
+
+def reward_ratio_of_means(tik: dict, stock: dict) -> RatioOfMeans:
+    """The ratio of the two runs' mean rewards and its standard error by the delta method.
+
+    Both runs of a comparable pair draw the same prompts at the same step (same seeds, data
+    and batch sizes: ``pair_runs`` refuses others), so a batch that is easy or hard, and the
+    learning curve both runs climb, move both rewards together. The paired error keeps that
+    covariance: with a, b the per-step rewards over n paired steps,
+    (se / R)^2 = (var a / a^2 + var b / b^2 - 2 cov(a, b) / (a b)) / n (sample moments).
+    ``se_unpaired`` drops the covariance term: what the error would be for two unrelated
+    runs, wider whenever the steps' rewards correlate. NaN when a mean is 0 or fewer than
+    two steps have both rewards."""
+    nan = RatioOfMeans(*(float("nan"),) * 4)
+    steps = [(a["reward"], b["reward"]) for a, b in zip(tik["per_step"], stock["per_step"])
+             if not (math.isnan(a["reward"]) or math.isnan(b["reward"]))]
+    n = len(steps)
+    if n < 2:
+        return nan
+    ma, mb = (sum(x[i] for x in steps) / n for i in (0, 1))
+    if ma == 0.0 or mb == 0.0:
+        return nan
+    va = sum((a - ma) ** 2 for a, _ in steps) / (n - 1)
+    vb = sum((b - mb) ** 2 for _, b in steps) / (n - 1)
+    cov = sum((a - ma) * (b - mb) for a, b in steps) / (n - 1)
+    ratio = ma / mb
+    unpaired = va / ma ** 2 + vb / mb ** 2
+    paired = max(unpaired - 2 * cov / (ma * mb), 0.0)
+    corr = cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")
+    return RatioOfMeans(ratio, abs(ratio) * math.sqrt(paired / n), abs(ratio) * math.sqrt(unpaired / n), corr)
+
+
+def pooled_ratio(rows: list[dict]) -> tuple[float, float]:
+    """The inverse-variance weighted mean of the rows' ratios of mean rewards, and its
+    standard error 1 / sqrt(sum of weights): one estimate from independent pairs (different
+    recipes), weighting each by how precisely its pair measured it. Rows without a finite
+    positive error are left out; NaN when none is left."""
+    kept = [(r["reward_ratio_of_means"], r["reward_ratio_of_means_se"]) for r in rows
+            if math.isfinite(r["reward_ratio_of_means"]) and math.isfinite(r["reward_ratio_of_means_se"])
+            and r["reward_ratio_of_means_se"] > 0]
+    if not kept:
         return float("nan"), float("nan")
-    means = [sum(v) / len(v) for v in values]
-    if 0.0 in means:
-        return float("nan"), float("nan")
-    rel = [math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v)) / abs(m) for v, m in zip(values, means)]
-    ratio = means[0] / means[1]
-    return ratio, abs(ratio) * math.sqrt(rel[0] ** 2 + rel[1] ** 2)
+    weights = [1 / se ** 2 for _, se in kept]
+    return sum(w * x for w, (x, _) in zip(weights, kept)) / sum(weights), 1 / math.sqrt(sum(weights))
 
 
 def _mean(values) -> float:
@@ -222,7 +258,7 @@ def stock_decode(run: dict) -> str:
 def summary_row(pair: Pair, warmup: int) -> dict:
     tik, stock = pair.tik["per_step"], pair.stock["per_step"]
     ratios = reward_ratios(pair.tik, pair.stock)
-    of_means, of_means_se = reward_ratio_of_means(pair.tik, pair.stock)
+    of_means = reward_ratio_of_means(pair.tik, pair.stock)
     audit = pair.tik["summary"]
     return {
         "recipe": pair.recipe, "steps": pair.tik["steps"], "warmup": warmup,
@@ -232,8 +268,9 @@ def summary_row(pair: Pair, warmup: int) -> dict:
         "startup_seconds_tik": startup_seconds(pair.tik), "startup_seconds_stock": startup_seconds(pair.stock),
         "reward_tik": _mean([s["reward"] for s in tik]), "reward_stock": _mean([s["reward"] for s in stock]),
         "reward_ratio_mean": _mean(ratios), "reward_ratio_spread": _spread(ratios),
-        "reward_ratio_steps": len(ratios), "reward_ratio_of_means": of_means,
-        "reward_ratio_of_means_se": of_means_se, "real_weights": real_weights(pair.recipe),
+        "reward_ratio_steps": len(ratios), "reward_ratio_of_means": of_means.ratio,
+        "reward_ratio_of_means_se": of_means.se, "reward_ratio_of_means_se_unpaired": of_means.se_unpaired,
+        "reward_step_correlation": of_means.step_correlation, "real_weights": real_weights(pair.recipe),
         "audit": audit.get("verdict", "none"), "audited_tokens": audit.get("audited_tokens", 0),
         "stock_decode": stock_decode(pair.stock), "run": run_label(pair),
     }
@@ -256,7 +293,8 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     """Rows per recipe and the means over recipes (NaN cells left out of the means;
     ``throughput_process_configurations``: how many rows that mean has;
     ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
-    ``reward_ratio_real_configurations`` of them; ``stock_decode_paths``: the stock runs'
+    ``reward_ratio_real_configurations`` of them; ``reward_ratio_of_means_real_pooled`` (and
+    ``_se``): their ratios of mean rewards pooled by ``pooled_ratio``; ``stock_decode_paths``: the stock runs'
     paths (``stock_decode``), more than one when the means mix baselines, and then
     ``by_stock_path``: the throughput means over each path's rows; ``gpus``: the GPUs
     the pairs ran on, more than one when the means mix devices). With ``catalogue``:
@@ -268,6 +306,8 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     real = [r["reward_ratio_mean"] for r in rows if r["real_weights"]]
     means["reward_ratio_mean_real"] = _mean(real)
     means["reward_ratio_real_configurations"] = len(real)
+    pooled, pooled_se = pooled_ratio([r for r in rows if r["real_weights"]])
+    means["reward_ratio_of_means_real_pooled"], means["reward_ratio_of_means_real_pooled_se"] = pooled, pooled_se
     # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
     means["stock_decode_paths"] = sorted({_path_key(r["stock_decode"]) for r in rows})
     means["gpus"] = sorted({str(p.tik.get("metadata", {}).get("gpu")) for p in pairs})
