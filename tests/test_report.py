@@ -66,21 +66,10 @@ def test_summary_ratios_are_the_hand_computed_ones(tmp_path):
     # step 3's stock reward is 0: left out; ratios 1.0 and 1.5
     assert row["reward_ratio_steps"] == 2
     assert row["reward_ratio_mean"] == pytest.approx(1.25) and row["reward_ratio_spread"] == pytest.approx(0.25)
-    # the ratio of the mean rewards (every step: (0.5 + 0.6 + 0.9) / 3 over (0.5 + 0.4 + 0) / 3) and its
-    # delta-method error from each run's per-step spread (sample sd / sqrt(3), relative to its mean) ...
-    tik_rel = math.sqrt(((0.5 - 2 / 3) ** 2 + (0.6 - 2 / 3) ** 2 + (0.9 - 2 / 3) ** 2) / 2 / 3) / (2 / 3)
-    stock_rel = math.sqrt((0.2 ** 2 + 0.1 ** 2 + 0.3 ** 2) / 2 / 3) / 0.3
-    ratio = (2 / 3) / 0.3
-    assert row["reward_ratio_of_means"] == pytest.approx(ratio)
-    assert row["reward_ratio_of_means_se_unpaired"] == pytest.approx(ratio * math.hypot(tik_rel, stock_rel))
-    # ... less, paired by step, twice the relative covariance: here the rewards move against each other
-    # (step 3: tik 0.9, stock 0), a negative covariance, so the paired error is the wider one
-    cov = ((0.5 - 2 / 3) * 0.2 + (0.6 - 2 / 3) * 0.1 + (0.9 - 2 / 3) * -0.3) / 2
-    assert cov < 0
-    paired = ratio * math.sqrt(tik_rel ** 2 + stock_rel ** 2 - 2 * cov / 3 / ((2 / 3) * 0.3))
-    assert row["reward_ratio_of_means_se"] == pytest.approx(paired) and paired > row["reward_ratio_of_means_se_unpaired"]
-    corr = cov / math.sqrt(((0.5 - 2 / 3) ** 2 + (0.6 - 2 / 3) ** 2 + (0.9 - 2 / 3) ** 2) / 2 * (0.14 / 2))
-    assert row["reward_step_correlation"] == pytest.approx(corr)
+    # the ratio of the mean rewards (every step: (0.5 + 0.6 + 0.9) / 3 over (0.5 + 0.4 + 0) / 3); the stock
+    # mean 0.3 has a standard error sqrt(0.07 / 3) = 0.153, within 3 of them of 0: no error is quoted
+    assert row["reward_ratio_of_means"] == pytest.approx((2 / 3) / 0.3)
+    assert math.isnan(row["reward_ratio_of_means_se"]) and math.isnan(row["reward_ratio_of_means_se_unpaired"])
     assert means["throughput_whole"] == row["throughput_whole"] and means["paper_throughput"] == 1.10
 
 
@@ -91,6 +80,18 @@ def test_paired_steps_narrow_the_error_when_the_runs_move_together():
     ratio over recipes weights each by its inverse variance."""
     from areal_tik.report.runs import pooled_ratio, reward_ratio_of_means
 
+    # by hand: the delta method's terms, unpaired and paired (here the rewards move against each
+    # other, a negative covariance, so pairing widens the error)
+    a, b = [0.5, 0.6, 0.9, 0.8], [0.5, 0.4, 0.3, 0.4]
+    ma, mb = 0.7, 0.4
+    va = (0.04 + 0.01 + 0.04 + 0.01) / 3
+    vb = (0.01 + 0.0 + 0.01 + 0.0) / 3
+    cov = (-0.2 * 0.1 + -0.1 * 0.0 + 0.2 * -0.1 + 0.1 * 0.0) / 3
+    got = reward_ratio_of_means({"per_step": [{"reward": x} for x in a]}, {"per_step": [{"reward": x} for x in b]})
+    assert got.ratio == pytest.approx(ma / mb)
+    assert got.se_unpaired == pytest.approx(ma / mb * math.sqrt((va / ma ** 2 + vb / mb ** 2) / 4))
+    assert got.se == pytest.approx(ma / mb * math.sqrt((va / ma ** 2 + vb / mb ** 2 - 2 * cov / (ma * mb)) / 4))
+    assert got.se > got.se_unpaired and got.step_correlation == pytest.approx(cov / math.sqrt(va * vb))
     swing = [0.1, 0.5, 0.2, 0.6, 0.3]  # easy and hard batches
     tik = {"per_step": [{"reward": r + 0.01 * (i % 2)} for i, r in enumerate(swing)]}
     stock = {"per_step": [{"reward": r} for r in swing]}
@@ -102,6 +103,15 @@ def test_paired_steps_narrow_the_error_when_the_runs_move_together():
     assert reward_ratio_of_means(tik, holed).ratio == pytest.approx(sum(r + 0.01 * (i % 2) for i, r in enumerate(swing) if i)
                                                                       / sum(swing[1:]))
     assert math.isnan(reward_ratio_of_means({"per_step": [{"reward": 0.0}] * 3}, stock).ratio)
+    # one lucky sample in each run, at the same step: a ratio, but no error to quote (not a zero one)
+    lucky = lambda r: {"per_step": [{"reward": 0.0}] * 9 + [{"reward": r}]}  # noqa: E731
+    one = reward_ratio_of_means(lucky(0.02), lucky(0.01))
+    assert one.ratio == pytest.approx(2.0) and math.isnan(one.se) and math.isnan(one.se_unpaired)
+    # a mean 1.4 of its standard errors from 0 gets none, one 5 of them away does
+    edge = {"per_step": [{"reward": r} for r in (0.0, 0.0, 3.0, 1.0)]}  # mean 1, sample var 2, n 4: se 0.707
+    assert math.isnan(reward_ratio_of_means(edge, edge).se)
+    steady = {"per_step": [{"reward": r} for r in (1.0, 1.0, 1.0, 2.0)]}  # se/m = 0.25/1.25 = 0.2
+    assert reward_ratio_of_means(steady, steady).se == 0.0
     rows = [{"reward_ratio_of_means": 1.1, "reward_ratio_of_means_se": 0.1},
             {"reward_ratio_of_means": 0.9, "reward_ratio_of_means_se": 0.05},
             {"reward_ratio_of_means": 5.0, "reward_ratio_of_means_se": float("nan")}]

@@ -168,6 +168,9 @@ def reward_ratios(tik: dict, stock: dict) -> list[float]:
             if b["reward"] != 0 and not math.isnan(a["reward"] + b["reward"])]
 
 
+DELTA_MIN_Z = 3.0  # a mean this many of its standard errors from 0, or no delta-method error
+
+
 class RatioOfMeans(NamedTuple):
     ratio: float           # mean tik reward / mean stock reward, over the steps both have a reward
     se: float              # its standard error, paired by step (the steps' shared prompts cancel)
@@ -185,7 +188,12 @@ def reward_ratio_of_means(tik: dict, stock: dict) -> RatioOfMeans:
     (se / R)^2 = (var a / a^2 + var b / b^2 - 2 cov(a, b) / (a b)) / n (sample moments).
     ``se_unpaired`` drops the covariance term: what the error would be for two unrelated
     runs, wider whenever the steps' rewards correlate. NaN when a mean is 0 or fewer than
-    two steps have both rewards."""
+    two steps have both rewards; both errors NaN (the ratio kept) when either mean lies within
+    ``DELTA_MIN_Z`` of its standard errors of 0: the ratio then has no usable normal
+    approximation (Fieller: its confidence interval is unbounded when the denominator's is
+    not away from 0), as at the random-weight recipes' rewards, nonzero at one step of
+    twenty, where the paired term would print a zero error for a ratio drawn from one
+    sample."""
     nan = RatioOfMeans(*(float("nan"),) * 4)
     steps = [(a["reward"], b["reward"]) for a, b in zip(tik["per_step"], stock["per_step"])
              if not (math.isnan(a["reward"]) or math.isnan(b["reward"]))]
@@ -199,9 +207,11 @@ def reward_ratio_of_means(tik: dict, stock: dict) -> RatioOfMeans:
     vb = sum((b - mb) ** 2 for _, b in steps) / (n - 1)
     cov = sum((a - ma) * (b - mb) for a, b in steps) / (n - 1)
     ratio = ma / mb
+    corr = cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")
+    if max(va / ma ** 2, vb / mb ** 2) / n > 1 / DELTA_MIN_Z ** 2:  # a mean within 3 s.e. of 0
+        return RatioOfMeans(ratio, float("nan"), float("nan"), corr)
     unpaired = va / ma ** 2 + vb / mb ** 2
     paired = max(unpaired - 2 * cov / (ma * mb), 0.0)
-    corr = cov / math.sqrt(va * vb) if va > 0 and vb > 0 else float("nan")
     return RatioOfMeans(ratio, abs(ratio) * math.sqrt(paired / n), abs(ratio) * math.sqrt(unpaired / n), corr)
 
 
