@@ -115,9 +115,11 @@ def test_paired_steps_narrow_the_error_when_the_runs_move_together():
     rows = [{"reward_ratio_of_means": 1.1, "reward_ratio_of_means_se": 0.1},
             {"reward_ratio_of_means": 0.9, "reward_ratio_of_means_se": 0.05},
             {"reward_ratio_of_means": 5.0, "reward_ratio_of_means_se": float("nan")}]
-    pooled, se = pooled_ratio(rows)  # weights 100 and 400
+    pooled, se, count = pooled_ratio(rows)  # weights 100 and 400; the row without an error left out
     assert pooled == pytest.approx((100 * 1.1 + 400 * 0.9) / 500) and se == pytest.approx(1 / math.sqrt(500))
-    assert all(math.isnan(x) for x in pooled_ratio(rows[2:]))
+    assert count == 2
+    nothing = pooled_ratio(rows[2:])
+    assert math.isnan(nothing[0]) and math.isnan(nothing[1]) and nothing[2] == 0
 
 
 @pytest.mark.parametrize("field, tik_kw, stock_kw, named", [

@@ -50,7 +50,8 @@ def main(args) -> int:
           f"{fmt(means['throughput_steady'])} steady, {fmt(means['throughput_process'])} whole process "
           f"(over {means['throughput_process_configurations']}) (paper 1.10x); reward ratio "
           f"{fmt(means['reward_ratio_mean'])}, over the {means['reward_ratio_real_configurations']} with real "
-          f"weights {fmt(means['reward_ratio_mean_real'])}, their ratios of mean rewards pooled "
+          f"weights {fmt(means['reward_ratio_mean_real'])}, the ratios of mean rewards of "
+          f"{means['reward_ratio_of_means_real_pooled_configurations']} of them pooled "
           f"{fmt(means['reward_ratio_of_means_real_pooled'])} +/- {fmt(means['reward_ratio_of_means_real_pooled_se'], '')} "
           f"(paper 1.00x)")
     if len(means["stock_decode_paths"]) > 1:

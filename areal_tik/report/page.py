@@ -117,7 +117,8 @@ def summary_html(rows: list[dict], means: dict) -> str:
                            "configurations (the reward ratio's target)", "", "", "", "",
                            fmt(means["reward_ratio_mean_real"]), "", "", "",
                            f"{fmt(means['reward_ratio_of_means_real_pooled'])} +/- "
-                           f"{fmt(means['reward_ratio_of_means_real_pooled_se'], '')} (pooled, inverse-variance)"])
+                           f"{fmt(means['reward_ratio_of_means_real_pooled_se'], '')} (pooled by inverse variance over "
+                           f"{means['reward_ratio_of_means_real_pooled_configurations']}: those with an error)"])
             + "".join(_tr("mean", [f"mean over the {m['configurations']} with stock path {html.escape(path)}", "",
                                    fmt(m["throughput_whole"]), fmt(m["throughput_steady"]), fmt(m["throughput_process"])])
                       for path, m in means.get("by_stock_path", {}).items())

@@ -215,18 +215,18 @@ def reward_ratio_of_means(tik: dict, stock: dict) -> RatioOfMeans:
     return RatioOfMeans(ratio, abs(ratio) * math.sqrt(paired / n), abs(ratio) * math.sqrt(unpaired / n), corr)
 
 
-def pooled_ratio(rows: list[dict]) -> tuple[float, float]:
-    """The inverse-variance weighted mean of the rows' ratios of mean rewards, and its
-    standard error 1 / sqrt(sum of weights): one estimate from independent pairs (different
-    recipes), weighting each by how precisely its pair measured it. Rows without a finite
-    positive error are left out; NaN when none is left."""
+def pooled_ratio(rows: list[dict]) -> tuple[float, float, int]:
+    """The inverse-variance weighted mean of the rows' ratios of mean rewards, its standard
+    error 1 / sqrt(sum of weights), and how many rows it pools: one estimate from
+    independent pairs (different recipes), weighting each by how precisely its pair
+    measured it. Rows without a finite positive error are left out; NaN when none is left."""
     kept = [(r["reward_ratio_of_means"], r["reward_ratio_of_means_se"]) for r in rows
             if math.isfinite(r["reward_ratio_of_means"]) and math.isfinite(r["reward_ratio_of_means_se"])
             and r["reward_ratio_of_means_se"] > 0]
     if not kept:
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), 0
     weights = [1 / se ** 2 for _, se in kept]
-    return sum(w * x for w, (x, _) in zip(weights, kept)) / sum(weights), 1 / math.sqrt(sum(weights))
+    return sum(w * x for w, (x, _) in zip(weights, kept)) / sum(weights), 1 / math.sqrt(sum(weights)), len(kept)
 
 
 def _mean(values) -> float:
@@ -303,8 +303,8 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     """Rows per recipe and the means over recipes (NaN cells left out of the means;
     ``throughput_process_configurations``: how many rows that mean has;
     ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
-    ``reward_ratio_real_configurations`` of them; ``reward_ratio_of_means_real_pooled`` (and
-    ``_se``): their ratios of mean rewards pooled by ``pooled_ratio``; ``stock_decode_paths``: the stock runs'
+    ``reward_ratio_real_configurations`` of them; ``reward_ratio_of_means_real_pooled`` (``_se``,
+    ``_configurations``): their ratios of mean rewards pooled by ``pooled_ratio``; ``stock_decode_paths``: the stock runs'
     paths (``stock_decode``), more than one when the means mix baselines, and then
     ``by_stock_path``: the throughput means over each path's rows; ``gpus``: the GPUs
     the pairs ran on, more than one when the means mix devices). With ``catalogue``:
@@ -316,8 +316,8 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     real = [r["reward_ratio_mean"] for r in rows if r["real_weights"]]
     means["reward_ratio_mean_real"] = _mean(real)
     means["reward_ratio_real_configurations"] = len(real)
-    pooled, pooled_se = pooled_ratio([r for r in rows if r["real_weights"]])
-    means["reward_ratio_of_means_real_pooled"], means["reward_ratio_of_means_real_pooled_se"] = pooled, pooled_se
+    (means["reward_ratio_of_means_real_pooled"], means["reward_ratio_of_means_real_pooled_se"],
+     means["reward_ratio_of_means_real_pooled_configurations"]) = pooled_ratio([r for r in rows if r["real_weights"]])
     # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
     means["stock_decode_paths"] = sorted({_path_key(r["stock_decode"]) for r in rows})
     means["gpus"] = sorted({str(p.tik.get("metadata", {}).get("gpu")) for p in pairs})
