@@ -462,6 +462,38 @@ def test_latest_keeps_the_newest_comparable_pair_of_each_recipe_and_names_the_re
     assert printed.count("left out: ") == 3 and "no pair of: " in printed
 
 
+def test_latest_pools_the_reward_ratio_over_every_replicate_too(tmp_path, capsys):
+    """``--latest`` keeps the newest pair of a recipe for its rows (throughput moves with the
+    code), but a superseded comparable pair of a real-weight recipe is one more replicate of
+    its reward ratio: the replicates line pools both, by hand; a non-comparable pair is not one."""
+    from areal_tik.report.runs import pooled_ratio, reward_ratio_of_means
+
+    recipe = "basic_arithmetic_grpo_smollm2"
+    rewards = {"old": ([0.2, 0.4, 0.3, 0.5], [0.2, 0.3, 0.3, 0.4]), "new": ([0.3, 0.5, 0.4, 0.6], [0.3, 0.5, 0.3, 0.5])}
+    runs = {}
+    for i, (name, (tik, stock)) in enumerate(rewards.items()):
+        root = tmp_path / name / "runs"
+        date = f"2026-12-0{i + 2}T10:00:00+00:00"
+        runs[name] = [json.loads((write_run(root, mode, [step(j, r, 100, 1.0) for j, r in enumerate(values)],
+                                            recipe=recipe, date=date) / "run.json").read_text())
+                      for mode, values in (("tik", tik), ("stock", stock))]
+    odd = tmp_path / "odd" / "runs"
+    write_run(odd, "tik", [step(j, 0.9, 100, 1.0) for j in range(4)], recipe=recipe, digest="x")
+    write_run(odd, "stock", [step(j, 0.1, 100, 1.0) for j in range(4)], recipe=recipe, digest="y")
+    out = tmp_path / "report"
+    assert main(_latest_args(tmp_path, out)) == 0
+    means = json.loads((out / "summary.json").read_text())["means"]
+    each = [reward_ratio_of_means(*runs[name]) for name in ("old", "new")]
+    want = pooled_ratio([{"reward_ratio_of_means": e.ratio, "reward_ratio_of_means_se": e.se} for e in each])
+    assert want[2] == 2 and means["reward_ratio_of_means_real_replicates_configurations"] == 2
+    assert means["reward_ratio_of_means_real_replicates"] == pytest.approx(want[0])
+    assert means["reward_ratio_of_means_real_replicates_se"] == pytest.approx(want[1])
+    assert means["reward_ratio_of_means_real_pooled"] == pytest.approx(each[1].ratio)  # the newest alone
+    assert means["reward_ratio_of_means_real_pooled_configurations"] == 1
+    assert "superseded ones included: 2 pooled" in capsys.readouterr().out
+    assert "replicates of the reward ratio" in (out / "index.html").read_text()
+
+
 def _latest_args(runs, out):
     import argparse
 

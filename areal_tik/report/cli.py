@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from .page import fmt, write_page
-from .runs import latest_pairs, load_runs, pair_runs, summary_table
+from .runs import every_comparable_pair, latest_pairs, load_runs, pair_runs, summary_table
 
 
 def add_arguments(parser) -> None:
@@ -27,13 +27,14 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     if isinstance(args.warmup, bool) or args.warmup < 0:
         raise ValueError(f"--warmup must be an int >= 0, got {args.warmup!r}")
-    runs, left_out = load_runs(args.runs), []
+    runs, left_out, replicates = load_runs(args.runs), [], None
     if args.latest:
+        replicates = every_comparable_pair(runs)  # the reward's replicates, superseded pairs included
         runs, left_out = latest_pairs(runs)
         for line in left_out:
             print(f"left out: {line}")
     pairs = pair_runs(runs)
-    rows, means = summary_table(pairs, args.warmup, catalogue=args.latest)
+    rows, means = summary_table(pairs, args.warmup, catalogue=args.latest, replicates=replicates)
     if args.latest:
         means["left_out"] = left_out
     out = Path(args.out)
@@ -54,6 +55,11 @@ def main(args) -> int:
           f"{means['reward_ratio_of_means_real_pooled_configurations']} of them pooled "
           f"{fmt(means['reward_ratio_of_means_real_pooled'])} +/- {fmt(means['reward_ratio_of_means_real_pooled_se'], '')} "
           f"(paper 1.00x)")
+    if "reward_ratio_of_means_real_replicates" in means:
+        print(f"reward ratio of mean rewards over every comparable real-weight pair, superseded ones included: "
+              f"{means['reward_ratio_of_means_real_replicates_configurations']} pooled "
+              f"{fmt(means['reward_ratio_of_means_real_replicates'])} +/- "
+              f"{fmt(means['reward_ratio_of_means_real_replicates_se'], '')}")
     if len(means["stock_decode_paths"]) > 1:
         print(f"note: these means mix stock paths ({', '.join(means['stock_decode_paths'])})")
     if len(means["gpus"]) > 1:

@@ -119,6 +119,12 @@ def summary_html(rows: list[dict], means: dict) -> str:
                            f"{fmt(means['reward_ratio_of_means_real_pooled'])} +/- "
                            f"{fmt(means['reward_ratio_of_means_real_pooled_se'], '')} (pooled by inverse variance over "
                            f"{means['reward_ratio_of_means_real_pooled_configurations']}: those with an error)"])
+            + ("" if "reward_ratio_of_means_real_replicates" not in means else
+               _tr("mean", ["every comparable real-weight pair, superseded ones included (replicates of the "
+                            "reward ratio)", "", "", "", "", "", "", "", "",
+                            f"{fmt(means['reward_ratio_of_means_real_replicates'])} +/- "
+                            f"{fmt(means['reward_ratio_of_means_real_replicates_se'], '')} (pooled over "
+                            f"{means['reward_ratio_of_means_real_replicates_configurations']})"]))
             + "".join(_tr("mean", [f"mean over the {m['configurations']} with stock path {html.escape(path)}", "",
                                    fmt(m["throughput_whole"]), fmt(m["throughput_steady"]), fmt(m["throughput_process"])])
                       for path, m in means.get("by_stock_path", {}).items())

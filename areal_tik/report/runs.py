@@ -109,6 +109,33 @@ def pair_runs(runs: list[dict]) -> list[Pair]:
     return sorted(pairs, key=lambda p: p.recipe)
 
 
+def _folder_groups(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    """Runs grouped by their recipe folder (the parent of the mode folder): mode -> run."""
+    groups: dict[str, dict[str, dict]] = {}
+    for run in runs:
+        modes = groups.setdefault(str(Path(run["path"]).parent), {})
+        if run["mode"] in modes:  # a mode folder holds one run file
+            raise ValueError(f"two {run['mode']} runs under {Path(run['path']).parent}")
+        modes[run["mode"]] = run
+    return groups
+
+
+def every_comparable_pair(runs: list[dict]) -> list[Pair]:
+    """Every recipe folder holding a comparable (tik, stock) pair, superseded ones included:
+    for a reward, each pair is one more replicate, even where ``latest_pairs`` keeps only the
+    newest for throughput (whose code moves between sessions)."""
+    pairs = []
+    for _, modes in sorted(_folder_groups(runs).items()):
+        if set(modes) != set(MODES):
+            continue
+        try:
+            check_comparable(modes["tik"], modes["stock"])
+        except ValueError:
+            continue
+        pairs.append(Pair(modes["tik"]["recipe"], modes["tik"], modes["stock"]))
+    return pairs
+
+
 def latest_pairs(runs: list[dict]) -> tuple[list[dict], list[str]]:
     """The newest pair of each recipe among run files of several sessions: (the runs kept,
     what was left out and why). Runs are grouped by their recipe folder (the parent of the
@@ -116,12 +143,7 @@ def latest_pairs(runs: list[dict]) -> tuple[list[dict], list[str]]:
     and of a recipe's comparable pairs the one whose tik run has the latest ``metadata.date``
     stays. A group with one mode (a run whose partner never ran, or ran out of memory) or whose
     two runs are not comparable (``check_comparable``) is left out, with the reason."""
-    groups: dict[str, dict[str, dict]] = {}
-    for run in runs:
-        modes = groups.setdefault(str(Path(run["path"]).parent), {})
-        if run["mode"] in modes:  # a mode folder holds one run file
-            raise ValueError(f"two {run['mode']} runs under {Path(run['path']).parent}")
-        modes[run["mode"]] = run
+    groups = _folder_groups(runs)
     newest: dict[str, tuple[str, str, dict]] = {}
     left_out = []
     for folder, modes in sorted(groups.items()):
@@ -299,12 +321,16 @@ def _path_key(stock_path: str) -> str:
     return re.sub(r" \(.*?\)", "", stock_path)
 
 
-def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tuple[list[dict], dict]:
+def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False,
+                  replicates: list[Pair] | None = None) -> tuple[list[dict], dict]:
     """Rows per recipe and the means over recipes (NaN cells left out of the means;
     ``throughput_process_configurations``: how many rows that mean has;
     ``reward_ratio_mean_real``: the reward ratio's mean over the real-weight recipes,
     ``reward_ratio_real_configurations`` of them; ``reward_ratio_of_means_real_pooled`` (``_se``,
-    ``_configurations``): their ratios of mean rewards pooled by ``pooled_ratio``; ``stock_decode_paths``: the stock runs'
+    ``_configurations``): their ratios of mean rewards pooled by ``pooled_ratio``; with
+    ``replicates`` (every comparable pair, superseded ones included: ``every_comparable_pair``),
+    ``reward_ratio_of_means_real_replicates`` (``_se``, ``_configurations``): the same pooling
+    over all of their real-weight pairs; ``stock_decode_paths``: the stock runs'
     paths (``stock_decode``), more than one when the means mix baselines, and then
     ``by_stock_path``: the throughput means over each path's rows; ``gpus``: the GPUs
     the pairs ran on, more than one when the means mix devices). With ``catalogue``:
@@ -318,6 +344,10 @@ def summary_table(pairs: list[Pair], warmup: int, catalogue: bool = False) -> tu
     means["reward_ratio_real_configurations"] = len(real)
     (means["reward_ratio_of_means_real_pooled"], means["reward_ratio_of_means_real_pooled_se"],
      means["reward_ratio_of_means_real_pooled_configurations"]) = pooled_ratio([r for r in rows if r["real_weights"]])
+    if replicates is not None:
+        real_pairs = [summary_row(p, warmup) for p in replicates if real_weights(p.recipe)]
+        (means["reward_ratio_of_means_real_replicates"], means["reward_ratio_of_means_real_replicates_se"],
+         means["reward_ratio_of_means_real_replicates_configurations"]) = pooled_ratio(real_pairs)
     # a mean over pairs whose stock runs decoded differently mixes two baselines: said, not hidden
     means["stock_decode_paths"] = sorted({_path_key(r["stock_decode"]) for r in rows})
     means["gpus"] = sorted({str(p.tik.get("metadata", {}).get("gpu")) for p in pairs})
