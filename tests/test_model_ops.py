@@ -9,6 +9,7 @@ references (attention: bf16 rounding, rel err <= 1e-2), and itself across regime
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -283,6 +284,20 @@ def test_the_attention_label_names_a_varlen_fallback(monkeypatch):
     assert fallback == "sdpa-per-sequence fallback (varlen_attn failed: head_dim 96 unsupported)"
     monkeypatch.setattr(ops_module, "_flash_varlen", lambda: None)
     assert ops_module.standard_attention_path("cuda").startswith("sdpa-per-sequence fallback (this torch")
+    # a call that skips varlen_attn without trying it (a scale this torch cannot pass) says so too
+    monkeypatch.setattr(ops_module, "_flash_varlen_failed", [])
+    monkeypatch.setattr(ops_module, "_flash_varlen_skipped", {})
+    monkeypatch.setattr(ops_module, "_flash_varlen", lambda: ("varlen", {"is_causal": True}, True, False))
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "shape": (4, 2, 64)})()
+    with pytest.warns(RuntimeWarning, match="takes no scale"):
+        assert ops_module._flash_attention_varlen(cuda_like, cuda_like, cuda_like, None, 4, 0.5) is None
+    skipped = ops_module.standard_attention_path("cuda")
+    assert skipped.startswith("sdpa-per-sequence fallback for some calls (this torch's varlen_attn takes no scale")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per reason
+        assert ops_module._flash_attention_varlen(cuda_like, cuda_like, cuda_like, None, 4, 0.5) is None
+    assert stock_decode({"metadata": {"training_attention": skipped}}).endswith(
+        "; training attention SDPA per sequence (varlen fallback)")
     meta = {"decode_attention": "flash-seqused", "logprob": "areal-gather-chunked (torch.compile, 1024 rows)"}
     assert stock_decode({"metadata": meta}) == "flash-seqused; log-prob areal-gather-chunked"
     assert stock_decode({"metadata": {**meta, "training_attention": "flash-varlen (torch)"}}) == \

@@ -262,6 +262,15 @@ def _flash_varlen():
 
 
 _flash_varlen_failed: list[str] = []  # why torch's varlen_attn failed: every later call takes SDPA
+_flash_varlen_skipped: dict[str, None] = {}  # why some GPU calls took SDPA without trying it (ordered set)
+
+
+def _skip_flash_varlen(reason: str) -> None:
+    """A GPU call goes to SDPA per sequence without trying varlen_attn: said once per reason
+    (a RuntimeWarning) and kept for the run file's ``training_attention``."""
+    if reason not in _flash_varlen_skipped:
+        _flash_varlen_skipped[reason] = None
+        warnings.warn(f"standard attention: {reason}; using SDPA per sequence instead", RuntimeWarning, stacklevel=4)
 
 
 def standard_attention_path(device) -> str:
@@ -276,18 +285,25 @@ def standard_attention_path(device) -> str:
         return "sdpa-per-sequence fallback (this torch has no usable varlen_attn)"
     if _flash_varlen_failed:
         return f"sdpa-per-sequence fallback (varlen_attn failed: {_flash_varlen_failed[0][:200]})"
+    if _flash_varlen_skipped:
+        return f"sdpa-per-sequence fallback for some calls ({'; '.join(_flash_varlen_skipped)[:200]})"
     return "flash-varlen (torch)"
 
 
 def _flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
     """FlashAttention varlen over the packed rows ``[: cu_seqlens[-1]]``, or None if unusable."""
-    found = _flash_varlen() if q.is_cuda and not _flash_varlen_failed else None
+    if not q.is_cuda or _flash_varlen_failed:  # off a GPU, or after a failure (warned then)
+        return None
+    found = _flash_varlen()
     if found is None:
+        _skip_flash_varlen("this torch has no usable torch.nn.attention.varlen.varlen_attn")
         return None
     varlen_attn, kwargs, has_gqa, has_scale = found
     kwargs = dict(kwargs)
     if softmax_scale is not None:
         if not has_scale and softmax_scale != q.shape[-1] ** -0.5:
+            _skip_flash_varlen(f"this torch's varlen_attn takes no scale and softmax_scale {softmax_scale} "
+                               f"is not head_dim ** -0.5")
             return None
         if has_scale:
             kwargs["scale"] = softmax_scale

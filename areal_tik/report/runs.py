@@ -240,8 +240,8 @@ def reward_ratio_of_means(tik: dict, stock: dict) -> RatioOfMeans:
 def pooled_ratio(rows: list[dict]) -> tuple[float, float, int]:
     """The inverse-variance weighted mean of the rows' ratios of mean rewards, its standard
     error 1 / sqrt(sum of weights), and how many rows it pools: one estimate from
-    independent pairs (different recipes), weighting each by how precisely its pair
-    measured it. Rows without a finite positive error are left out; NaN when none is left."""
+    independent pairs (different recipes, or replicates of one), weighting each by how
+    precisely its pair measured it. Rows without a finite positive error are left out; NaN when none is left."""
     kept = [(r["reward_ratio_of_means"], r["reward_ratio_of_means_se"]) for r in rows
             if math.isfinite(r["reward_ratio_of_means"]) and math.isfinite(r["reward_ratio_of_means_se"])
             and r["reward_ratio_of_means_se"] > 0]
@@ -282,7 +282,7 @@ def stock_decode(run: dict) -> str:
     path = f"{path} + torch.compile" if meta.get("compiled_ops") else path
     logprob = re.sub(r" \(.*?\)", "", meta.get("logprob") or "materialised-fp32")
     trainer = "; trainer AReaL FSDP over the HF model" if meta.get("training_model") == "hf" else ""
-    if (meta.get("training_attention") or "").startswith("sdpa-per-sequence fallback"):
+    if "sdpa-per-sequence fallback" in (meta.get("training_attention") or ""):
         trainer += "; training attention SDPA per sequence (varlen fallback)"
     return f"{path}; log-prob {logprob}{trainer}"
 
